@@ -17,7 +17,7 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError, __version__, checkpoint, config, data, models, world
+from hvd_sgd import JobError, __version__, checkpoint, config, data, models, schedules, world
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -38,11 +38,10 @@ def main(argv=None):
     total_steps = min(cfg.epochs * steps_per_epoch, cfg.max_steps or math.inf)
 
     # 3. Scale the learning rate by the number of ranks (the global batch grew by as much),
-    #    ramping up to it over the warm-up epochs.
+    #    ramping up to it over the warm-up epochs; decay it over --epochs (not --max-steps).
     scaled_lr = cfg.lr * w.size if cfg.lr_scaling else cfg.lr
-    warmup_steps = round(cfg.warmup_epochs * steps_per_epoch)
-    lr = (tf.keras.optimizers.schedules.PolynomialDecay(cfg.lr, warmup_steps, scaled_lr) if warmup_steps
-          else scaled_lr)
+    lr = schedules.WarmupCosine(cfg.lr, scaled_lr, warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
+                                decay_steps=cfg.epochs * steps_per_epoch if cfg.lr_decay == "cosine" else 0)
 
     # 4. Wrap SGD in hvd.DistributedOptimizer: its gradients are the average over all ranks.
     model = models.build(cfg.model, dataset.image_shape, cfg.seed)
@@ -86,7 +85,7 @@ def main(argv=None):
                                f"checkpoints before this step are kept")
             images_per_second = timer.rate(n, cfg.batch_size * w.size)
             w.log(f"step {n}/{total_steps}  epoch {n / steps_per_epoch:.2f}  loss {mean_loss:.4f}  "
-                  f"lr {float(optimizer.learning_rate):.4g}  {images_per_second:.0f} img/s")
+                  f"lr {float(lr(n)):.4g}  {images_per_second:.0f} img/s")
             with summaries.as_default(step=n):
                 tf.summary.scalar("train/loss", mean_loss)
                 tf.summary.scalar("train/images_per_second", images_per_second)
@@ -104,7 +103,7 @@ def main(argv=None):
                 checkpoints.save(n)
 
     # 7. Finish: the ranks must agree bit for bit; rank 0 writes the model and the summary.
-    w.check_identical(state, "at the end")
+    checksums = w.check_identical(state, "at the end")
     if result is None:  # resumed at the last step: nothing was left to train
         result = w.evaluate(model, test_batches)
     w.save_model(model, cfg.save_model)
@@ -114,7 +113,7 @@ def main(argv=None):
         epochs=steps_done / steps_per_epoch, steps=steps_done, world_size=w.size,
         per_rank_batch=cfg.batch_size, global_batch=cfg.batch_size * w.size, learning_rate=scaled_lr,
         images_per_second=timer.rate(steps_done, cfg.batch_size * w.size), wall_seconds=timer.wall_seconds(),
-        config=dataclasses.asdict(cfg),
+        weight_checksums=checksums, config=dataclasses.asdict(cfg),
         versions=dict(python=platform.python_version(), tensorflow=tf.__version__,
                       horovod=importlib.metadata.version("horovod"), hvd_sgd=__version__)))
     w.log(f"Test accuracy: {result['accuracy']:.4f}")

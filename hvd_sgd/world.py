@@ -70,9 +70,10 @@ class World:
     def is_chief(self):
         return self.rank == 0
 
-    def log(self, *message):
-        if self.is_chief:
-            print(*message, flush=True)
+    def log(self, message):
+        if self.is_chief:  # one write per line: launchers that tag output tag each write
+            sys.stdout.write(f"{message}\n")
+            sys.stdout.flush()
 
     @contextlib.contextmanager
     def agreement(self):
@@ -142,6 +143,7 @@ class World:
         digests = hvd.allgather_object(digest)
         if len(set(digests)) != 1:
             raise JobError(f"ranks hold different weights {when} (checksums {digests})")
+        return digests
 
 
 def start(threads_per_rank=0):

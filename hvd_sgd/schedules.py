@@ -1,0 +1,30 @@
+"""The learning-rate schedule: linear warm-up to the scaled rate, then optional cosine decay.
+
+Goyal et al. (2017): with N ranks the global batch is N times larger, so the rate is N times
+larger too (the linear scaling rule), reached gradually over the first epochs. The schedule is a
+function of the global step alone, so a resumed run follows it exactly.
+"""
+import math
+
+import tensorflow as tf
+
+
+@tf.keras.utils.register_keras_serializable("hvd_sgd")
+class WarmupCosine(tf.keras.optimizers.schedules.LearningRateSchedule):
+    def __init__(self, initial, peak, warmup_steps, decay_steps):
+        """From ``initial`` to ``peak`` over ``warmup_steps``, then cosine down to 0 at ``decay_steps``
+        (no decay when ``decay_steps`` is 0)."""
+        self.initial, self.peak = float(initial), float(peak)
+        self.warmup_steps, self.decay_steps = int(warmup_steps), int(decay_steps)
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        warmup = tf.maximum(float(self.warmup_steps), 1.0)
+        rate = self.initial + (self.peak - self.initial) * tf.minimum(step / warmup, 1.0)
+        if self.decay_steps > self.warmup_steps:
+            progress = tf.clip_by_value((step - self.warmup_steps) / (self.decay_steps - self.warmup_steps), 0.0, 1.0)
+            rate = tf.where(step < self.warmup_steps, rate, self.peak * 0.5 * (1.0 + tf.cos(math.pi * progress)))
+        return rate
+
+    def get_config(self):
+        return dict(initial=self.initial, peak=self.peak, warmup_steps=self.warmup_steps, decay_steps=self.decay_steps)

@@ -1,0 +1,113 @@
+"""The classic TensorFlow 1 MNIST program, on Horovod instead of SyncReplicasOptimizer.
+
+    horovodrun -np 2 python -m hvd_sgd.train_v1 --lr 0.5 --steps 300
+    mpirun -np 2 python -m hvd_sgd.train_v1
+    python -m hvd_sgd.train_v1                   (one rank)
+
+Same structure as the original: placeholders, softmax regression with zero-initialised W and b,
+GradientDescentOptimizer, hooks, MonitoredTrainingSession, a `while not should_stop()` loop and
+the chief printing the test accuracy. What changed (docs/migrating-from-sync-replicas.md):
+hvd.DistributedOptimizer replaces SyncReplicasOptimizer (each step applies the mean of all
+replicas' gradients once), hvd.BroadcastGlobalVariablesHook(0) replaces the chief's
+initialisation, and there are no parameter servers: mpirun or horovodrun starts the workers.
+"""
+import os
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from hvd_sgd import config, data, world
+
+tf1 = tf.compat.v1
+
+
+def main(argv=None):
+    cfg = config.parse(config.TrainV1Config, argv, __doc__, speaks=world.launch_rank() == 0)
+    w = world.start()
+    import horovod.tensorflow as hvd
+    tf.get_logger().setLevel("ERROR")  # this program is the deprecated API: no deprecation warnings
+
+    with w.agreement():
+        dataset = data.load(cfg.dataset, cfg.data_dir)
+        batches = data.rank_batch_indices(len(dataset.x_train), cfg.batch_size, w.size, w.rank, cfg.seed, 0, cfg.steps)
+        w.check_writable(cfg.metrics_file, cfg.checkpoint_dir and os.path.join(cfg.checkpoint_dir, "checkpoint"))
+    images, labels = _flat(dataset.x_train), _one_hot(dataset.y_train)
+
+    # The set-up above ran eagerly (Horovod's checks need it); the TF1 program builds a graph.
+    with tf.Graph().as_default():
+        # The model of the original program.
+        x = tf1.placeholder(tf.float32, [None, 784], name="x")
+        y_ = tf1.placeholder(tf.float32, [None, 10], name="y_")
+        W = tf.Variable(tf.zeros([784, 10]), name="W")
+        b = tf.Variable(tf.zeros([10]), name="b")
+        y = tf.matmul(x, W) + b
+        cross_entropy = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=y_, logits=y))
+        global_step = tf1.train.get_or_create_global_step()
+
+        # SyncReplicasOptimizer(opt, replicas_to_aggregate=N, total_num_replicas=N) becomes:
+        opt = hvd.DistributedOptimizer(tf1.train.GradientDescentOptimizer(cfg.lr))
+        train_op = opt.minimize(cross_entropy, global_step=global_step)
+        correct = tf.equal(tf.argmax(y, 1), tf.argmax(y_, 1))
+        accuracy = tf.reduce_mean(tf.cast(correct, tf.float32))
+
+        # sync_replicas_hook becomes the broadcast of rank 0's variables (restored ones on a re-run).
+        start = _RunAfterCreation(global_step)  # after the broadcast: the step every rank resumes at
+        hooks = [hvd.BroadcastGlobalVariablesHook(0), start, tf1.train.StopAtStepHook(last_step=cfg.steps)]
+        if w.is_chief:  # as in the original program, the chief evaluates and reports
+            test_accuracy = _RunAtEnd(accuracy, {x: _flat(dataset.x_test), y_: _one_hot(dataset.y_test)})
+            hooks.append(test_accuracy)
+        session_config = tf1.ConfigProto(intra_op_parallelism_threads=w.threads,
+                                         inter_op_parallelism_threads=min(2, w.threads))
+        started = time.perf_counter()
+        # Every rank is its own "chief" of its own graph; only rank 0 writes checkpoints and summaries.
+        with tf1.train.MonitoredTrainingSession(checkpoint_dir=cfg.checkpoint_dir if w.is_chief else None,
+                                               hooks=hooks, config=session_config) as mon_sess:
+            first_step = step = start.value  # 0, or where the last checkpoint left off
+            while not mon_sess.should_stop():
+                batch = batches[step]  # this rank's slice of global batch number `step`
+                mon_sess.run(train_op, feed_dict={x: images[batch], y_: labels[batch]})
+                step += 1
+    seconds = time.perf_counter() - started
+    if w.is_chief:
+        w.write_json(cfg.metrics_file, dict(
+            test_accuracy=float(test_accuracy.value), steps=int(step), resumed_from_step=int(first_step),
+            world_size=w.size, per_rank_batch=cfg.batch_size, learning_rate=cfg.lr, wall_seconds=seconds,
+            images_per_second=(step - first_step) * cfg.batch_size * w.size / seconds))
+        w.log(f"Test accuracy: {test_accuracy.value:.4f}")
+
+
+class _RunAfterCreation(tf1.train.SessionRunHook):
+    """Evaluates a tensor once the session exists (after the hooks before it, the broadcast)."""
+
+    def __init__(self, tensor, feed_dict=None):
+        self.tensor, self.feed_dict, self.value = tensor, feed_dict, None
+
+    def after_create_session(self, session, coord):
+        self.value = session.run(self.tensor, self.feed_dict)
+
+
+class _RunAtEnd(_RunAfterCreation):
+    """Evaluates a tensor when the session ends (a MonitoredSession refuses runs after stopping)."""
+
+    def after_create_session(self, session, coord):
+        pass
+
+    def end(self, session):
+        self.value = session.run(self.tensor, self.feed_dict)
+
+
+def _flat(images):
+    return images.reshape(len(images), -1).astype(np.float32) / 255.0
+
+
+def _one_hot(labels):
+    return np.eye(data.NUM_CLASSES, dtype=np.float32)[labels]
+
+
+def cli():
+    world.main_guard(main, "hvd_sgd.train_v1")
+
+
+if __name__ == "__main__":
+    cli()

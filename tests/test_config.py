@@ -1,0 +1,50 @@
+"""Unit tests: the command line becomes one validated, typed configuration."""
+import pytest
+
+from hvd_sgd import JobError, config
+
+
+def parse(*argv):
+    return config.parse(config.TrainConfig, list(argv))
+
+
+def test_defaults_work_and_flags_are_typed():
+    assert parse() == config.TrainConfig()
+    cfg = parse("--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--no-lr-scaling", "--max-steps", "7", "--resume",
+                "--checkpoint-dir", "/tmp/x")
+    assert (cfg.model, cfg.batch_size, cfg.lr, cfg.lr_scaling, cfg.max_steps, cfg.resume) == ("mlp", 32, 0.5, False, 7, True)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--batch-size", "-3"], "--batch-size must be at least 1"),
+    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--max-steps", "0"], "--max-steps must be at least 1"),
+    (["--lr", "0"], "--lr must be a positive number"),
+    (["--lr", "nan"], "--lr must be a positive number"),
+    (["--momentum", "1"], r"--momentum must be in \[0, 1\)"),
+    (["--warmup-epochs", "-1"], "--warmup-epochs must be zero or more"),
+    (["--threads-per-rank", "-1"], "--threads-per-rank must not be negative"),
+    (["--backward-passes-per-step", "0"], "--backward-passes-per-step must be at least 1"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--model", "resnet"], "invalid choice: 'resnet'"),
+    (["--dataset", "cifar"], "invalid choice: 'cifar'"),
+    (["--batch-size", "many"], "invalid int value: 'many'"),
+    (["--data-dir", "/no/such/dir"], "no such directory"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_values_are_one_line_errors(argv, message):
+    with pytest.raises(JobError, match=message) as error:
+        parse(*argv)
+    assert "\n" not in str(error.value)
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse("--help")
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for field in config.TrainConfig.__dataclass_fields__.values():
+        flag = field.metadata["flag"] or "--" + field.name.replace("_", "-")
+        assert flag in text
+

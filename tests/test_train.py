@@ -1,0 +1,106 @@
+"""End-to-end: real launchers, real processes, real Horovod, small MNIST subsets."""
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import PYTHON, launch, output_lines, read_json, reported_accuracy, saved_weights, succeeded
+
+
+@pytest.mark.parametrize("launcher,np_", [("python", 1), ("mpirun", 2), ("horovodrun", 2), ("horovodrun-gloo", 2)])
+def test_every_launcher_trains_and_ranks_end_identical(launcher, np_, tmp_path, tiny_run):
+    metrics = tmp_path / "metrics.json"
+    result = succeeded(launch(launcher, np_, "--model", "softmax", "--lr", "0.1", "--max-steps", 40,
+                              "--metrics-file", metrics, *tiny_run))
+    accuracy = reported_accuracy(result)
+    summary = read_json(metrics)
+    assert summary["world_size"] == np_ and summary["steps"] == 40 and summary["test_accuracy"] == pytest.approx(accuracy, abs=1e-4)
+    assert accuracy > 0.75  # 40 steps of softmax regression on MNIST
+    assert len(summary["weight_checksums"]) == np_ and len(set(summary["weight_checksums"])) == 1
+    assert summary["images_per_second"] > 0 and summary["versions"]["horovod"] == "0.28.1"
+    assert sum(line.startswith("Test accuracy") for line in output_lines(result.stdout)) == 1  # rank 0 alone
+
+
+def train_and_save(tmp_path, name, launcher, np_, *args):
+    path = tmp_path / f"{name}.keras"
+    succeeded(launch(launcher, np_, *args, "--save-model", path))
+    return saved_weights(path)
+
+
+@pytest.mark.parametrize("model", ["softmax", "mlp"])
+def test_n_ranks_with_batch_b_train_like_one_rank_with_batch_nb(model, tmp_path):
+    """The heart of the product: synchronous averaging makes the number of ranks invisible."""
+    common = ["--model", model, "--lr", "0.05", "--no-lr-scaling", "--momentum", "0.9", "--train-examples", 640,
+              "--test-examples", 500, "--max-steps", 30, "--seed", 7]  # 20 steps per epoch: crosses an epoch
+    one = train_and_save(tmp_path, "np1", "python", 1, *common, "--batch-size", 32)
+    two = train_and_save(tmp_path, "np2", "mpirun", 2, *common, "--batch-size", 16)
+    for a, b in zip(one, two, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    if model == "softmax":  # the comparison can fail: one rank with batch B is a different run
+        other = train_and_save(tmp_path, "np1-small", "python", 1, *common, "--batch-size", 16)
+        assert max(np.abs(a - b).max() for a, b in zip(one, other)) > 1e-3
+
+
+def test_lr_scaling_is_the_linear_rule(tmp_path):
+    """np=2 with --lr x (scaled to 2x) equals np=1, batch 2B, --lr 2x."""
+    common = ["--model", "softmax", "--train-examples", 640, "--test-examples", 500, "--max-steps", 10]
+    one = train_and_save(tmp_path, "np1", "python", 1, *common, "--batch-size", 32, "--lr", "0.2", "--no-lr-scaling")
+    two = train_and_save(tmp_path, "np2", "horovodrun", 2, *common, "--batch-size", 16, "--lr", "0.1")
+    for a, b in zip(one, two, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_continues_and_ends_where_an_uninterrupted_run_ends(tmp_path):
+    common = ["--model", "mlp", "--lr", "0.02", "--train-examples", 1024, "--test-examples", 500, "--batch-size", 32]
+    straight = train_and_save(tmp_path, "straight", "mpirun", 2, *common, "--max-steps", 30)
+    checkpoints = tmp_path / "checkpoints"
+    succeeded(launch("mpirun", 2, *common, "--max-steps", 12, "--checkpoint-dir", checkpoints))
+    assert (checkpoints / "checkpoint").exists()
+    metrics = tmp_path / "resumed.json"
+    resumed = train_and_save(tmp_path, "resumed", "mpirun", 2, *common, "--max-steps", 30,
+                             "--checkpoint-dir", checkpoints, "--resume", "--metrics-file", metrics)
+    assert read_json(metrics)["steps"] == 30
+    for a, b in zip(straight, resumed, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_cnn_learns_and_the_saved_model_loads_with_plain_tensorflow(tmp_path):
+    model_path, metrics = tmp_path / "cnn.keras", tmp_path / "cnn.json"
+    result = succeeded(launch("python", 1, "--model", "cnn", "--epochs", 1, "--train-examples", 8000,
+                              "--test-examples", 2000, "--save-model", model_path, "--metrics-file", metrics,
+                              "--log-dir", tmp_path / "tb"))
+    accuracy = reported_accuracy(result)
+    assert accuracy >= 0.93, accuracy
+    assert list((tmp_path / "tb").iterdir())  # TensorBoard event file
+    # A fresh process with nothing but TensorFlow (and its numpy) reproduces the accuracy.
+    check = subprocess.run([PYTHON, "-c", f"""
+import sys, numpy as np, tensorflow as tf
+test = np.load(sys.argv[1])
+x, y = test["x_test"][:2000, ..., None] / 255.0, test["y_test"][:2000]
+model = tf.keras.models.load_model(sys.argv[2])
+print(model.evaluate(x, y, verbose=0)[1])
+assert "hvd_sgd" not in sys.modules and "horovod" not in sys.modules
+""", str(mnist_cache()), str(model_path)], capture_output=True, text=True, cwd=tmp_path)
+    assert check.returncode == 0, check.stderr
+    assert float(check.stdout.split()[-1]) == pytest.approx(accuracy, abs=1e-4)
+
+
+def mnist_cache():
+    from hvd_sgd import data
+    data.load("mnist")
+    return f"{data.cache_dir()}/mnist.npz"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--model", "resnet"], "invalid choice: 'resnet'"),
+    (["--batch-size", "600", "--train-examples", "1000"], "larger than a rank's shard"),
+    (["--checkpoint-dir", "/proc/forbidden"], "rank 0: --checkpoint-dir /proc/forbidden is not writable"),
+])
+def test_bad_input_is_one_line_from_one_rank(args, message):
+    result = launch("mpirun", 2, "--model", "softmax", "--max-steps", 2, *args, timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in output_lines(result.stderr) if "hvd_sgd.train: error:" in line]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
