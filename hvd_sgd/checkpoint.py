@@ -49,11 +49,11 @@ class Checkpoints:
             return False
         for path in reversed(self._inside_directory(self.manager.checkpoints)):
             try:
-                self.checkpoint.read(path).assert_existing_objects_matched()
+                self.checkpoint.restore(path).assert_existing_objects_matched()
                 self.world.log(f"Resuming from {path}")
                 return True
-            except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError) as e:
-                self.world.log(f"Skipping unreadable checkpoint {path}: {e.message.splitlines()[0]}")
+            except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError, IndexError) as e:
+                self.world.log(f"Skipping damaged checkpoint {path}: {str(e).strip().splitlines()[0]}")
             except (ValueError, AssertionError, tf.errors.InvalidArgumentError) as e:
                 raise JobError(f"{path} does not fit this model: {str(e).splitlines()[0]}") from None
         raise JobError(f"--resume: no readable checkpoint in {self.directory}")
@@ -64,4 +64,7 @@ class Checkpoints:
     def _inside_directory(self, paths):
         """Never follow the index file to a checkpoint outside the given directory."""
         root = os.path.realpath(self.directory)
-        return [p for p in paths if os.path.dirname(os.path.realpath(p)) == root]
+        inside = [p for p in paths if os.path.dirname(os.path.realpath(p)) == root]
+        for p in sorted(set(paths) - set(inside)):
+            self.world.log(f"Ignoring checkpoint {p}: it is outside {self.directory}")
+        return inside

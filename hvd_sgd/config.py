@@ -47,6 +47,7 @@ class TrainConfig:
     metrics_file: Optional[str] = option(None, "write a JSON summary of the run here (accuracy, throughput, versions, ...)")
     log_dir: Optional[str] = option(None, "write TensorBoard logs here")
     log_every_steps: int = option(50, "average the loss over all ranks and report it every N steps")
+    stall_timeout: float = option(60.0, "end the job when no step finished for this many seconds (a frozen rank), naming the rank")
     fp16_allreduce: bool = option(False, "compress gradients to float16 for the all-reduce")
     backward_passes_per_step: int = option(1, "accumulate this many local gradients before each all-reduce")
 
@@ -59,6 +60,8 @@ class TrainConfig:
             raise JobError(f"--lr must be a positive number, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise JobError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if not (math.isfinite(self.stall_timeout) and self.stall_timeout > 0):
+            raise JobError(f"--stall-timeout must be a positive number of seconds, got {self.stall_timeout}")
         if not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
             raise JobError(f"--warmup-epochs must be zero or more, got {self.warmup_epochs}")
         if self.resume and not self.checkpoint_dir:

@@ -17,7 +17,7 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError, __version__, checkpoint, config, data, models, schedules, world
+from hvd_sgd import JobError, __version__, checkpoint, config, data, models, schedules, watchdog, world
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -26,7 +26,7 @@ def main(argv=None):
     cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=world.launch_rank() == 0)
 
     # 1. Start Horovod; pin one GPU per rank (by local rank), or give the rank its share of the cores.
-    w = world.start(cfg.threads_per_rank)
+    w = world.start(cfg.threads_per_rank, cfg.stall_timeout)
     import horovod.tensorflow as hvd
     w.log(f"hvd_sgd: {w.size} rank(s) on {w.device}, {w.threads} thread(s) each, model {cfg.model}")
 
@@ -65,45 +65,31 @@ def main(argv=None):
 
     # 6. Train. The data order depends on (seed, epoch, global batch) only, so a resumed run
     #    sees exactly the batches the uninterrupted run would have seen.
-    first_step = int(step.numpy())
     batches = data.train_batches(dataset, data.rank_batch_indices(
-        len(dataset.x_train), cfg.batch_size, w.size, w.rank, cfg.seed, first_step, total_steps))
-    summaries = w.summary_writer(cfg.log_dir)
-    train_step = tf.function(lambda images, labels: _train_step(model, optimizer, images, labels))
+        len(dataset.x_train), cfg.batch_size, w.size, w.rank, cfg.seed, int(step.numpy()), total_steps))
     test_batches = data.test_batches(dataset)
-    timer = _TrainingTimer()
+    train_step = tf.function(lambda images, labels: _train_step(model, optimizer, step, images, labels))
+    report = _Report(w, cfg, lr, steps_per_epoch, total_steps)
     result = None
-    for images, labels in batches:
-        loss = train_step(images, labels)
-        step.assign_add(1)
-        n = int(step.numpy())
-        timer.step_done(n)
-        if n % cfg.log_every_steps == 0 or n == total_steps:
-            mean_loss = float(hvd.allreduce(loss))
-            if not math.isfinite(mean_loss):
-                raise JobError(f"the loss is {mean_loss} at step {n}: training diverged (lower --lr?); "
-                               f"checkpoints before this step are kept")
-            images_per_second = timer.rate(n, cfg.batch_size * w.size)
-            w.log(f"step {n}/{total_steps}  epoch {n / steps_per_epoch:.2f}  loss {mean_loss:.4f}  "
-                  f"lr {float(lr(n)):.4g}  {images_per_second:.0f} img/s")
-            with summaries.as_default(step=n):
-                tf.summary.scalar("train/loss", mean_loss)
-                tf.summary.scalar("train/images_per_second", images_per_second)
-        epoch_end = n % steps_per_epoch == 0
-        if epoch_end or n == total_steps:
-            with timer.paused():
-                result = w.evaluate(model, test_batches)
-                w.log(f"epoch {n / steps_per_epoch:.2f}: test accuracy {result['accuracy']:.4f}  "
-                      f"test loss {result['loss']:.4f}")
-                with summaries.as_default(step=n):
-                    tf.summary.scalar("test/accuracy", result["accuracy"])
-                    tf.summary.scalar("test/loss", result["loss"])
-        if epoch_end or n == total_steps or (cfg.checkpoint_every_steps and n % cfg.checkpoint_every_steps == 0):
-            with timer.paused():
-                checkpoints.save(n)
+    with watchdog.Watchdog(w, cfg.stall_timeout, w.job_token) as dog:
+        for images, labels in batches:
+            loss = train_step(images, labels)
+            n = int(step.numpy())
+            dog.progress(n)
+            report.step_done(n)
+            if n % cfg.log_every_steps == 0 or n == total_steps:
+                report.train(n, _finite(float(hvd.allreduce(loss)), "loss", n))
+            epoch_end = n % steps_per_epoch == 0
+            if epoch_end or n == total_steps:
+                with report.paused():
+                    result = report.test(n, w.evaluate(model, test_batches))
+            if epoch_end or n == total_steps or (cfg.checkpoint_every_steps and n % cfg.checkpoint_every_steps == 0):
+                _finite(_weight_norm(model), "weights' norm", n)  # never checkpoint a diverged model
+                with report.paused():
+                    checkpoints.save(n)
+        checksums = w.check_identical(state, "at the end")
 
-    # 7. Finish: the ranks must agree bit for bit; rank 0 writes the model and the summary.
-    checksums = w.check_identical(state, "at the end")
+    # 7. Finish: the ranks agreed bit for bit (above); rank 0 writes the model and the summary.
     if result is None:  # resumed at the last step: nothing was left to train
         result = w.evaluate(model, test_batches)
     w.save_model(model, cfg.save_model)
@@ -112,25 +98,44 @@ def main(argv=None):
         test_accuracy=result["accuracy"], test_loss=result["loss"],
         epochs=steps_done / steps_per_epoch, steps=steps_done, world_size=w.size,
         per_rank_batch=cfg.batch_size, global_batch=cfg.batch_size * w.size, learning_rate=scaled_lr,
-        images_per_second=timer.rate(steps_done, cfg.batch_size * w.size), wall_seconds=timer.wall_seconds(),
+        images_per_second=report.images_per_second(steps_done), wall_seconds=report.wall_seconds(),
         weight_checksums=checksums, config=dataclasses.asdict(cfg),
         versions=dict(python=platform.python_version(), tensorflow=tf.__version__,
                       horovod=importlib.metadata.version("horovod"), hvd_sgd=__version__)))
     w.log(f"Test accuracy: {result['accuracy']:.4f}")
 
 
-def _train_step(model, optimizer, images, labels):
+def _train_step(model, optimizer, step, images, labels):
     with tf.GradientTape() as tape:
         loss = LOSS(labels, model(images, training=True))
     optimizer.minimize(loss, model.trainable_variables, tape=tape)  # all-reduces the gradients
+    step.assign_add(1)
     return loss
 
 
-class _TrainingTimer:
-    """Training throughput, counted from the end of the first step (which traces the graph) and
-    without the time rank 0 spends evaluating and writing checkpoints."""
+def _weight_norm(model):
+    return float(tf.linalg.global_norm(model.trainable_variables))
 
-    def __init__(self):
+
+def _finite(value, what, step):
+    """Divergence check. Every rank sees the same value (an all-reduced loss, or identical
+    weights), so every rank stops at the same step, and the last checkpoint stays the last good one."""
+    if not math.isfinite(value):
+        raise JobError(f"the {what} is {value} at step {step}: training diverged (try a lower --lr); "
+                       f"no checkpoint was written from this step on")
+    return value
+
+
+class _Report:
+    """Rank 0's progress lines and TensorBoard scalars, and the training throughput.
+
+    Throughput counts from the end of the first step (which traces the graph) and leaves out the
+    time spent evaluating and writing checkpoints."""
+
+    def __init__(self, world, cfg, lr, steps_per_epoch, total_steps):
+        self.world, self.lr, self.steps_per_epoch, self.total_steps = world, lr, steps_per_epoch, total_steps
+        self.global_batch = cfg.batch_size * world.size
+        self.summaries = world.summary_writer(cfg.log_dir)
         self.created = time.perf_counter()
         self.start = self.first_timed_step = None
         self.excluded = 0.0
@@ -139,9 +144,25 @@ class _TrainingTimer:
         if self.start is None:
             self.start, self.first_timed_step = time.perf_counter(), step
 
-    def rate(self, step, global_batch):
+    def train(self, step, loss):
+        rate = self.images_per_second(step)
+        self.world.log(f"step {step}/{self.total_steps}  epoch {step / self.steps_per_epoch:.2f}  loss {loss:.4f}  "
+                       f"lr {float(self.lr(step)):.4g}  {rate:.0f} img/s")
+        with self.summaries.as_default(step=step):
+            tf.summary.scalar("train/loss", loss)
+            tf.summary.scalar("train/images_per_second", rate)
+
+    def test(self, step, result):
+        self.world.log(f"epoch {step / self.steps_per_epoch:.2f}: test accuracy {result['accuracy']:.4f}  "
+                       f"test loss {result['loss']:.4f}")
+        with self.summaries.as_default(step=step):
+            tf.summary.scalar("test/accuracy", result["accuracy"])
+            tf.summary.scalar("test/loss", result["loss"])
+        return result
+
+    def images_per_second(self, step):
         seconds = time.perf_counter() - self.start - self.excluded if self.start else 0
-        return (step - self.first_timed_step) * global_batch / seconds if seconds > 0 else 0.0
+        return (step - self.first_timed_step) * self.global_batch / seconds if seconds > 0 else 0.0
 
     def wall_seconds(self):
         return time.perf_counter() - self.created

@@ -9,6 +9,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import secrets
 import sys
 import zlib
 
@@ -31,12 +32,19 @@ def launched_by_mpi():
 
 
 def main_guard(main, prog):
-    """Run ``main``; a JobError becomes one line on stderr from the first rank and exit status 1 on all."""
+    """Run ``main``; a JobError becomes one line on stderr from the first rank and exit status 1 on all.
+
+    So does Horovod's own shutdown when another rank failed: the launcher names that rank, and the
+    survivors need not add a traceback each.
+    """
     try:
         main()
-    except JobError as e:
+    except Exception as e:
+        if not isinstance(e, JobError) and "Horovod has been shut down" not in str(e):
+            raise
         if launch_rank() == 0:
-            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            print(f"{prog}: error: {first_line}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
@@ -65,6 +73,7 @@ class World:
     local_size: int
     device: str
     threads: int
+    job_token: str
 
     @property
     def is_chief(self):
@@ -146,9 +155,15 @@ class World:
         return digests
 
 
-def start(threads_per_rank=0):
-    """hvd.init, then pin this rank to one GPU (by local rank) or to its share of the CPU cores."""
+def start(threads_per_rank=0, stall_timeout=60.0):
+    """hvd.init, then pin this rank to one GPU (by local rank) or to its share of the CPU cores.
+
+    Horovod's stall check is set to shut the job down, not only warn, after ``stall_timeout``
+    seconds in which the ranks submitted different collectives (the user's environment wins).
+    """
     check_versions()
+    os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, int(stall_timeout) // 2)))
+    os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(1, int(stall_timeout))))
     try:
         import horovod.tensorflow as hvd
     except ImportError as e:
@@ -170,7 +185,8 @@ def start(threads_per_rank=0):
     threads = threads_per_rank or _cpu_share(hvd.local_size())
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
-    return World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device, threads)
+    job_token = hvd.broadcast_object(secrets.token_hex(8) if hvd.rank() == 0 else None, root_rank=0)
+    return World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device, threads, job_token)
 
 
 def _cpu_share(local_size):

@@ -1,0 +1,82 @@
+"""The stall watchdog: a frozen rank must end the job, not hang it for hours.
+
+A rank that dies is noticed by the launcher, which ends the job. A rank that is alive but stuck
+(SIGSTOP, a hung file system, a wedged driver) is not: every other rank waits in the next
+all-reduce for ever, and Horovod's own stall check cannot run because its coordination waits
+for that rank too. So each rank runs a thread that
+
+- beats: every second it writes the rank's last finished step to a heartbeat file
+  (``$HVD_SGD_HEARTBEAT_DIR``, default the temporary directory: set it to shared storage for
+  multi-node jobs to have the frozen rank named);
+- watches: when no step has finished for ``timeout`` seconds, it names the ranks whose heartbeat
+  stopped (a frozen process stops beating), prints one line (the lowest live rank does), and
+  exits the process with status 1, which makes the launcher end the job.
+"""
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+BEAT_SECONDS = 1.0
+
+
+class Watchdog:
+    def __init__(self, world, timeout, job_token):
+        self.world, self.timeout = world, timeout
+        root = os.environ.get("HVD_SGD_HEARTBEAT_DIR") or tempfile.gettempdir()
+        self.directory = os.path.join(root, f"hvd_sgd-heartbeat-{job_token}")
+        self.step, self.last_progress = 0, time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hvd_sgd-watchdog", daemon=True)
+
+    def __enter__(self):
+        os.makedirs(self.directory, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+        shutil.rmtree(self.directory, ignore_errors=True)  # whichever rank is last leaves nothing
+
+    def progress(self, step):
+        """Called by the training loop after every step (and around long work on rank 0)."""
+        self.step, self.last_progress = step, time.monotonic()
+
+    def _run(self):
+        while not self._done.wait(BEAT_SECONDS):
+            self._beat()
+            if time.monotonic() - self.last_progress > self.timeout:
+                self._fire()
+
+    def _beat(self):
+        path = os.path.join(self.directory, f"rank-{self.world.rank}")
+        try:
+            with open(path + ".tmp", "w") as f:
+                f.write(str(self.step))
+            os.replace(path + ".tmp", path)
+        except OSError:
+            pass  # the directory went away at the end of the job
+
+    def _fire(self):
+        now = time.time()
+        frozen = []
+        for rank in range(self.world.size):
+            try:
+                age = now - os.path.getmtime(os.path.join(self.directory, f"rank-{rank}"))
+            except OSError:
+                age = None  # not visible from this node
+            if age is None or age > max(3 * BEAT_SECONDS, self.timeout / 4):
+                frozen.append(rank)
+        alive = [r for r in range(self.world.size) if r not in frozen]
+        if not alive or self.world.rank == alive[0]:
+            who = (f"rank(s) {', '.join(map(str, frozen))} stopped responding" if frozen
+                   else "no rank stopped responding, but a collective operation is blocked")
+            sys.stderr.write(f"hvd_sgd: error: no training step finished for {self.timeout:.0f} s after step "
+                             f"{self.step}: {who}; ending the job (--stall-timeout)\n")
+            sys.stderr.flush()
+        else:
+            time.sleep(2)  # let the reporting rank speak before the launcher tears the job down
+        os._exit(1)
