@@ -48,11 +48,13 @@ class TrainConfig:
     log_dir: Optional[str] = option(None, "write TensorBoard logs here")
     log_every_steps: int = option(50, "average the loss over all ranks and report it every N steps")
     stall_timeout: float = option(60.0, "end the job when no step finished for this many seconds (a frozen rank), naming the rank")
+    elastic: bool = option(False, "elastic training under horovodrun --min-np/--max-np/--host-discovery-script: workers may leave or join")
+    commit_every_steps: int = option(10, "with --elastic, commit the state in memory every N steps (what a lost worker costs at most)")
     fp16_allreduce: bool = option(False, "compress gradients to float16 for the all-reduce")
     backward_passes_per_step: int = option(1, "accumulate this many local gradients before each all-reduce")
 
     def validate(self):
-        _positive(self, "epochs", "batch_size", "log_every_steps", "backward_passes_per_step")
+        _positive(self, "epochs", "batch_size", "log_every_steps", "backward_passes_per_step", "commit_every_steps")
         _not_negative(self, "threads_per_rank", "train_examples", "test_examples", "checkpoint_every_steps")
         if self.max_steps is not None and self.max_steps < 1:
             raise JobError(f"--max-steps must be at least 1, got {self.max_steps}")

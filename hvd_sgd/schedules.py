@@ -7,24 +7,28 @@ function of the global step alone, so a resumed run follows it exactly.
 import math
 
 import tensorflow as tf
+from horovod.tensorflow.mpi_ops import size_op
 
 
 @tf.keras.utils.register_keras_serializable("hvd_sgd")
 class WarmupCosine(tf.keras.optimizers.schedules.LearningRateSchedule):
-    def __init__(self, initial, peak, warmup_steps, decay_steps):
-        """From ``initial`` to ``peak`` over ``warmup_steps``, then cosine down to 0 at ``decay_steps``
-        (no decay when ``decay_steps`` is 0)."""
-        self.initial, self.peak = float(initial), float(peak)
+    def __init__(self, base, scale_by_world_size, warmup_steps, decay_steps):
+        """From ``base`` to ``base`` x ranks (or ``base`` itself) over ``warmup_steps``, then cosine
+        down to 0 at ``decay_steps`` (no decay when ``decay_steps`` is 0). The number of ranks is
+        read when the rate is, so it follows an elastic job that grows or shrinks."""
+        self.base, self.scale_by_world_size = float(base), bool(scale_by_world_size)
         self.warmup_steps, self.decay_steps = int(warmup_steps), int(decay_steps)
 
     def __call__(self, step):
         step = tf.cast(step, tf.float32)
+        peak = self.base * (tf.cast(size_op(), tf.float32) if self.scale_by_world_size else 1.0)
         warmup = tf.maximum(float(self.warmup_steps), 1.0)
-        rate = self.initial + (self.peak - self.initial) * tf.minimum(step / warmup, 1.0)
+        rate = self.base + (peak - self.base) * tf.minimum(step / warmup, 1.0)
         if self.decay_steps > self.warmup_steps:
             progress = tf.clip_by_value((step - self.warmup_steps) / (self.decay_steps - self.warmup_steps), 0.0, 1.0)
-            rate = tf.where(step < self.warmup_steps, rate, self.peak * 0.5 * (1.0 + tf.cos(math.pi * progress)))
+            rate = tf.where(step < self.warmup_steps, rate, peak * 0.5 * (1.0 + tf.cos(math.pi * progress)))
         return rate
 
     def get_config(self):
-        return dict(initial=self.initial, peak=self.peak, warmup_steps=self.warmup_steps, decay_steps=self.decay_steps)
+        return dict(base=self.base, scale_by_world_size=self.scale_by_world_size,
+                    warmup_steps=self.warmup_steps, decay_steps=self.decay_steps)

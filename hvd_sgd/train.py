@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import math
+import os
 import platform
 import time
 
@@ -35,12 +36,14 @@ def main(argv=None):
         dataset = data.load(cfg.dataset, cfg.data_dir).subset(cfg.train_examples, cfg.test_examples)
         steps_per_epoch = data.steps_per_epoch(len(dataset.x_train), cfg.batch_size, w.size)
         w.check_writable(cfg.save_model, cfg.metrics_file)
+        if cfg.elastic and os.environ.get("HOROVOD_ELASTIC") != "1":
+            raise JobError("--elastic needs horovodrun's elastic mode: horovodrun -np N --min-np MIN --max-np MAX "
+                           "--host-discovery-script run/discover-hosts python -m hvd_sgd.train --elastic")
     total_steps = min(cfg.epochs * steps_per_epoch, cfg.max_steps or math.inf)
 
     # 3. Scale the learning rate by the number of ranks (the global batch grew by as much),
     #    ramping up to it over the warm-up epochs; decay it over --epochs (not --max-steps).
-    scaled_lr = cfg.lr * w.size if cfg.lr_scaling else cfg.lr
-    lr = schedules.WarmupCosine(cfg.lr, scaled_lr, warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
+    lr = schedules.WarmupCosine(cfg.lr, cfg.lr_scaling, warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
                                 decay_steps=cfg.epochs * steps_per_epoch if cfg.lr_decay == "cosine" else 0)
 
     # 4. Wrap SGD in hvd.DistributedOptimizer: its gradients are the average over all ranks.
@@ -65,29 +68,54 @@ def main(argv=None):
 
     # 6. Train. The data order depends on (seed, epoch, global batch) only, so a resumed run
     #    sees exactly the batches the uninterrupted run would have seen.
-    batches = data.train_batches(dataset, data.rank_batch_indices(
-        len(dataset.x_train), cfg.batch_size, w.size, w.rank, cfg.seed, int(step.numpy()), total_steps))
     test_batches = data.test_batches(dataset)
     train_step = tf.function(lambda images, labels: _train_step(model, optimizer, step, images, labels))
-    report = _Report(w, cfg, lr, steps_per_epoch, total_steps)
-    result = None
-    with watchdog.Watchdog(w, cfg.stall_timeout, w.job_token) as dog:
+    report = _Report(w, cfg, lr, total_steps)
+
+    def train(after_step):
+        """From the current global step to the last, with the current ranks; the last test result."""
+        per_epoch = data.steps_per_epoch(len(dataset.x_train), cfg.batch_size, w.size)
+        batches = data.train_batches(dataset, data.rank_batch_indices(
+            len(dataset.x_train), cfg.batch_size, w.size, w.rank, cfg.seed, int(step.numpy()), total_steps))
+        result = None
         for images, labels in batches:
             loss = train_step(images, labels)
             n = int(step.numpy())
-            dog.progress(n)
+            after_step(n)
             report.step_done(n)
             if n % cfg.log_every_steps == 0 or n == total_steps:
-                report.train(n, _finite(float(hvd.allreduce(loss)), "loss", n))
-            epoch_end = n % steps_per_epoch == 0
+                report.train(n, n / per_epoch, _finite(float(hvd.allreduce(loss)), "loss", n))
+            epoch_end = n % per_epoch == 0
             if epoch_end or n == total_steps:
                 with report.paused():
-                    result = report.test(n, w.evaluate(model, test_batches))
+                    result = report.test(n, n / per_epoch, w.evaluate(model, test_batches))
             if epoch_end or n == total_steps or (cfg.checkpoint_every_steps and n % cfg.checkpoint_every_steps == 0):
                 _finite(_weight_norm(model), "weights' norm", n)  # never checkpoint a diverged model
                 with report.paused():
                     checkpoints.save(n)
-        checksums = w.check_identical(state, "at the end")
+        return result
+
+    if cfg.elastic:
+        # Workers may leave or join: Horovod rolls every rank back to the last commit, restarts
+        # with the new set of ranks, and broadcasts the committed state from the new rank 0.
+        elastic_state = hvd.elastic.TensorFlowKerasState(model, optimizer, step=int(step.numpy()))
+
+        def commit(n):
+            elastic_state.step = n
+            if n % cfg.commit_every_steps == 0:
+                elastic_state.commit()
+
+        @hvd.elastic.run
+        def train_elastically(state):
+            step.assign(state.step)
+            w.log(f"hvd_sgd: elastic (re)start at step {state.step} with {w.size} rank(s)")
+            return train(commit)
+
+        result = train_elastically(elastic_state)
+    else:
+        with watchdog.Watchdog(w, cfg.stall_timeout, w.job_token) as dog:
+            result = train(dog.progress)
+    checksums = w.check_identical(state, "at the end")
 
     # 7. Finish: the ranks agreed bit for bit (above); rank 0 writes the model and the summary.
     if result is None:  # resumed at the last step: nothing was left to train
@@ -97,7 +125,8 @@ def main(argv=None):
     w.write_json(cfg.metrics_file, dict(
         test_accuracy=result["accuracy"], test_loss=result["loss"],
         epochs=steps_done / steps_per_epoch, steps=steps_done, world_size=w.size,
-        per_rank_batch=cfg.batch_size, global_batch=cfg.batch_size * w.size, learning_rate=scaled_lr,
+        per_rank_batch=cfg.batch_size, global_batch=cfg.batch_size * w.size,
+        learning_rate=cfg.lr * (w.size if cfg.lr_scaling else 1),
         images_per_second=report.images_per_second(steps_done), wall_seconds=report.wall_seconds(),
         weight_checksums=checksums, config=dataclasses.asdict(cfg),
         versions=dict(python=platform.python_version(), tensorflow=tf.__version__,
@@ -132,9 +161,8 @@ class _Report:
     Throughput counts from the end of the first step (which traces the graph) and leaves out the
     time spent evaluating and writing checkpoints."""
 
-    def __init__(self, world, cfg, lr, steps_per_epoch, total_steps):
-        self.world, self.lr, self.steps_per_epoch, self.total_steps = world, lr, steps_per_epoch, total_steps
-        self.global_batch = cfg.batch_size * world.size
+    def __init__(self, world, cfg, lr, total_steps):
+        self.world, self.cfg, self.lr, self.total_steps = world, cfg, lr, total_steps
         self.summaries = world.summary_writer(cfg.log_dir)
         self.created = time.perf_counter()
         self.start = self.first_timed_step = None
@@ -144,16 +172,16 @@ class _Report:
         if self.start is None:
             self.start, self.first_timed_step = time.perf_counter(), step
 
-    def train(self, step, loss):
+    def train(self, step, epoch, loss):
         rate = self.images_per_second(step)
-        self.world.log(f"step {step}/{self.total_steps}  epoch {step / self.steps_per_epoch:.2f}  loss {loss:.4f}  "
+        self.world.log(f"step {step}/{self.total_steps}  epoch {epoch:.2f}  loss {loss:.4f}  "
                        f"lr {float(self.lr(step)):.4g}  {rate:.0f} img/s")
         with self.summaries.as_default(step=step):
             tf.summary.scalar("train/loss", loss)
             tf.summary.scalar("train/images_per_second", rate)
 
-    def test(self, step, result):
-        self.world.log(f"epoch {step / self.steps_per_epoch:.2f}: test accuracy {result['accuracy']:.4f}  "
+    def test(self, step, epoch, result):
+        self.world.log(f"epoch {epoch:.2f}: test accuracy {result['accuracy']:.4f}  "
                        f"test loss {result['loss']:.4f}")
         with self.summaries.as_default(step=step):
             tf.summary.scalar("test/accuracy", result["accuracy"])
@@ -162,7 +190,8 @@ class _Report:
 
     def images_per_second(self, step):
         seconds = time.perf_counter() - self.start - self.excluded if self.start else 0
-        return (step - self.first_timed_step) * self.global_batch / seconds if seconds > 0 else 0.0
+        global_batch = self.cfg.batch_size * self.world.size
+        return (step - self.first_timed_step) * global_batch / seconds if seconds > 0 else 0.0
 
     def wall_seconds(self):
         return time.perf_counter() - self.created

@@ -17,6 +17,11 @@ import tensorflow as tf
 
 from hvd_sgd import JobError
 
+try:
+    import horovod.tensorflow as hvd
+except ImportError as e:  # reported by start(), after the clearer version checks
+    hvd, _HOROVOD_IMPORT_ERROR = None, e
+
 # Set by the launchers before our process starts: Horovod's Gloo launcher, Open MPI, PMIx (srun --mpi=pmix), PMI.
 _RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 _MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
@@ -67,13 +72,19 @@ def check_versions():
 
 @dataclasses.dataclass(frozen=True)
 class World:
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
+    """This rank's place in the job. Rank and size are read from Horovod each time: in elastic
+    mode they change when workers leave or join."""
     device: str
     threads: int
     job_token: str
+
+    @property
+    def rank(self):
+        return hvd.rank()
+
+    @property
+    def size(self):
+        return hvd.size()
 
     @property
     def is_chief(self):
@@ -91,7 +102,6 @@ class World:
         Without this, a check that fails on one rank only (rank 0 cannot write the checkpoint
         directory, say) leaves the other ranks waiting in the next collective for ever.
         """
-        import horovod.tensorflow as hvd
         error = None
         try:
             yield
@@ -104,7 +114,6 @@ class World:
 
     def evaluate(self, model, test_batches):
         """Rank 0 evaluates the (compiled) model; every rank receives the result."""
-        import horovod.tensorflow as hvd
         result = model.evaluate(test_batches, verbose=0, return_dict=True) if self.is_chief else None
         return hvd.broadcast_object(result, root_rank=0)
 
@@ -145,7 +154,6 @@ class World:
 
     def check_identical(self, variables, when):
         """All ranks must hold bit-identical weights; anything else means training has forked."""
-        import horovod.tensorflow as hvd
         digest = 0
         for v in variables:
             digest = zlib.crc32(v.numpy().tobytes(), digest)
@@ -164,10 +172,9 @@ def start(threads_per_rank=0, stall_timeout=60.0):
     check_versions()
     os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, int(stall_timeout) // 2)))
     os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(1, int(stall_timeout))))
-    try:
-        import horovod.tensorflow as hvd
-    except ImportError as e:
-        raise JobError(f"Horovod's TensorFlow extension does not load ({e}): rebuild it with run/setup") from None
+    if hvd is None:
+        raise JobError(f"Horovod's TensorFlow extension does not load ({_HOROVOD_IMPORT_ERROR}): "
+                       f"rebuild it with run/setup")
     if launched_by_mpi():
         from mpi4py import MPI
         hvd.init(comm=MPI.COMM_WORLD)
@@ -186,7 +193,7 @@ def start(threads_per_rank=0, stall_timeout=60.0):
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
     job_token = hvd.broadcast_object(secrets.token_hex(8) if hvd.rank() == 0 else None, root_rank=0)
-    return World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device, threads, job_token)
+    return World(device, threads, job_token)
 
 
 def _cpu_share(local_size):

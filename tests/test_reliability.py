@@ -7,12 +7,13 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 
-from conftest import PYTHON, ROOT, launch, launch_command, output_lines, saved_weights, succeeded
+from conftest import PYTHON, ROOT, launch, launch_command, output_lines, read_json, saved_weights, succeeded
 from test_data import write_dataset, write_idx
 
 
@@ -217,3 +218,36 @@ def test_divergence_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
             value = reader.get_tensor(name)
             if np.issubdtype(np.asarray(value).dtype, np.floating):
                 assert np.isfinite(value).all(), f"{path}: {name} is not finite"
+
+
+# --- elastic ------------------------------------------------------------------------------------
+
+ELASTIC_RUN = ["--model", "mlp", "--train-examples", 8192, "--test-examples", 1000, "--batch-size", 32,
+               "--epochs", 4, "--threads-per-rank", 1, "--log-every-steps", 20, "--checkpoint-every-steps", 20]
+
+
+def test_elastic_training_survives_a_lost_worker(tmp_path):
+    """3 workers on three names of this machine (run/discover-hosts); one is killed mid-run."""
+    normal = tmp_path / "normal.json"
+    succeeded(launch("mpirun", 3, *ELASTIC_RUN, "--metrics-file", normal))
+    checkpoints, metrics = tmp_path / "ckpt", tmp_path / "elastic.json"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    command = [str(Path(PYTHON).parent / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
+               "--host-discovery-script", str(ROOT / "run" / "discover-hosts"),
+               PYTHON, "-m", "hvd_sgd.train", "--elastic", *map(str, ELASTIC_RUN),
+               "--checkpoint-dir", str(checkpoints), "--metrics-file", str(metrics)]
+    run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (checkpoints / "ckpt-60.index").exists():
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.2)
+    rank_process(psutil.Process(run.pid), 2).send_signal(signal.SIGKILL)
+    status, stdout, stderr = ended_within(run, 240)
+    assert status == 0, stderr[-3000:]
+    lines = output_lines(stdout)
+    restart = next(line for line in lines if "elastic (re)start" in line and "with 2 rank(s)" in line)
+    assert int(restart.split("at step ")[1].split()[0]) >= 60 - 10  # at most one commit interval lost
+    summary, reference = read_json(metrics), read_json(normal)
+    assert summary["world_size"] == 2 and summary["steps"] == reference["steps"] == 4 * (8192 // 96)
+    assert abs(summary["test_accuracy"] - reference["test_accuracy"]) < 0.02, (summary["test_accuracy"], reference["test_accuracy"])
