@@ -38,6 +38,7 @@ class TrainConfig:
     warmup_epochs: float = option(0.0, "ramp the learning rate linearly from --lr to its scaled value over this many epochs (Goyal et al.)")
     seed: int = option(1, "seed of the weights' initialisation and of the data order (the order does not depend on the number of ranks)")
     threads_per_rank: int = option(0, "TensorFlow intra-op threads per rank; 0 = the rank's CPUs divided among the ranks on its node")
+    target_accuracy: float = option(0.0, "stop once a test evaluation (after each epoch) reaches this accuracy; 0 = train to the end")
     train_examples: int = option(0, "train on the first N training examples only (0 = all); for quick trials")
     test_examples: int = option(0, "evaluate on the first N test examples only (0 = all)")
     checkpoint_dir: Optional[str] = option(None, "rank 0 writes a checkpoint here after every epoch and at the end")
@@ -60,6 +61,8 @@ class TrainConfig:
             raise JobError(f"--max-steps must be at least 1, got {self.max_steps}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise JobError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.target_accuracy <= 1:
+            raise JobError(f"--target-accuracy must be in [0, 1], got {self.target_accuracy}")
         if not 0 <= self.momentum < 1:
             raise JobError(f"--momentum must be in [0, 1), got {self.momentum}")
         if not (math.isfinite(self.stall_timeout) and self.stall_timeout > 0):

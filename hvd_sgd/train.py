@@ -69,7 +69,7 @@ def main(argv=None):
     # 6. Train. The data order depends on (seed, epoch, global batch) only, so a resumed run
     #    sees exactly the batches the uninterrupted run would have seen.
     test_batches = data.test_batches(dataset)
-    train_step = tf.function(lambda images, labels: _train_step(model, optimizer, step, images, labels))
+    train_step = _make_train_step(model, optimizer, step)
     report = _Report(w, cfg, lr, total_steps)
 
     def train(after_step):
@@ -93,6 +93,9 @@ def main(argv=None):
                 _finite(_weight_norm(model), "weights' norm", n)  # never checkpoint a diverged model
                 with report.paused():
                     checkpoints.save(n)
+            if result and cfg.target_accuracy and result["accuracy"] >= cfg.target_accuracy:
+                w.log(f"Reached --target-accuracy {cfg.target_accuracy} at step {n}")
+                break  # every rank has the same result, so every rank stops here
         return result
 
     if cfg.elastic:
@@ -134,12 +137,16 @@ def main(argv=None):
     w.log(f"Test accuracy: {result['accuracy']:.4f}")
 
 
-def _train_step(model, optimizer, step, images, labels):
-    with tf.GradientTape() as tape:
-        loss = LOSS(labels, model(images, training=True))
-    optimizer.minimize(loss, model.trainable_variables, tape=tape)  # all-reduces the gradients
-    step.assign_add(1)
-    return loss
+def _make_train_step(model, optimizer, step):
+    @tf.function
+    def train_step(images, labels):
+        with tf.GradientTape() as tape:
+            loss = LOSS(labels, model(images, training=True))
+        optimizer.minimize(loss, model.trainable_variables, tape=tape)  # all-reduces the gradients
+        step.assign_add(1)
+        return loss
+
+    return train_step
 
 
 def _weight_norm(model):
