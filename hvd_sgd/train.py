@@ -29,6 +29,7 @@ def main(argv=None):
     # 1. Start Horovod; pin one GPU per rank (by local rank), or give the rank its share of the cores.
     w = world.start(cfg.threads_per_rank, cfg.stall_timeout)
     import horovod.tensorflow as hvd
+    dog = watchdog.Watchdog(w, None if cfg.elastic else cfg.stall_timeout).start()  # a frozen rank ends the job
     w.log(f"hvd_sgd: {w.size} rank(s) on {w.device}, {w.threads} thread(s) each, model {cfg.model}")
 
     # 2. Data: every rank reads the same dataset and takes its own slice of each global batch.
@@ -40,6 +41,7 @@ def main(argv=None):
             raise JobError("--elastic needs horovodrun's elastic mode: horovodrun -np N --min-np MIN --max-np MAX "
                            "--host-discovery-script run/discover-hosts python -m hvd_sgd.train --elastic")
     total_steps = min(cfg.epochs * steps_per_epoch, cfg.max_steps or math.inf)
+    dog.progress()
 
     # 3. Scale the learning rate by the number of ranks (the global batch grew by as much),
     #    ramping up to it over the warm-up epochs; decay it over --epochs (not --max-steps).
@@ -65,6 +67,7 @@ def main(argv=None):
     state = model.variables + optimizer.variables + [step]
     hvd.broadcast_variables(state, root_rank=0)
     w.check_identical(state, "after the broadcast")
+    dog.progress()
 
     # 6. Train. The data order depends on (seed, epoch, global batch) only, so a resumed run
     #    sees exactly the batches the uninterrupted run would have seen.
@@ -116,8 +119,7 @@ def main(argv=None):
 
         result = train_elastically(elastic_state)
     else:
-        with watchdog.Watchdog(w, cfg.stall_timeout, w.job_token) as dog:
-            result = train(dog.progress)
+        result = train(dog.progress)
     checksums = w.check_identical(state, "at the end")
 
     # 7. Finish: the ranks agreed bit for bit (above); rank 0 writes the model and the summary.

@@ -12,6 +12,7 @@ for that rank too. So each rank runs a thread that
   stopped (a frozen process stops beating), prints one line (the lowest live rank does), and
   exits the process with status 1, which makes the launcher end the job.
 """
+import atexit
 import os
 import shutil
 import sys
@@ -23,30 +24,28 @@ BEAT_SECONDS = 1.0
 
 
 class Watchdog:
-    def __init__(self, world, timeout, job_token):
+    def __init__(self, world, timeout):
+        """``timeout`` None: a watchdog that watches nothing (elastic mode handles lost workers)."""
         self.world, self.timeout = world, timeout
         root = os.environ.get("HVD_SGD_HEARTBEAT_DIR") or tempfile.gettempdir()
-        self.directory = os.path.join(root, f"hvd_sgd-heartbeat-{job_token}")
+        self.directory = os.path.join(root, f"hvd_sgd-heartbeat-{world.job_token}")
         self.step, self.last_progress = 0, time.monotonic()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hvd_sgd-watchdog", daemon=True)
 
-    def __enter__(self):
-        os.makedirs(self.directory, exist_ok=True)
-        self._thread.start()
+    def start(self):
+        """From here to the end of the process; the heartbeat files go at exit."""
+        if self.timeout is not None:
+            os.makedirs(self.directory, exist_ok=True)
+            atexit.register(shutil.rmtree, self.directory, ignore_errors=True)
+            threading.Thread(target=self._run, name="hvd_sgd-watchdog", daemon=True).start()
         return self
 
-    def __exit__(self, *exc):
-        self._done.set()
-        self._thread.join()
-        shutil.rmtree(self.directory, ignore_errors=True)  # whichever rank is last leaves nothing
-
-    def progress(self, step):
-        """Called by the training loop after every step (and around long work on rank 0)."""
-        self.step, self.last_progress = step, time.monotonic()
+    def progress(self, step=None):
+        """Called after every training step, and after each phase of the start-up."""
+        self.step, self.last_progress = self.step if step is None else step, time.monotonic()
 
     def _run(self):
-        while not self._done.wait(BEAT_SECONDS):
+        while True:
+            time.sleep(BEAT_SECONDS)
             self._beat()
             if time.monotonic() - self.last_progress > self.timeout:
                 self._fire()

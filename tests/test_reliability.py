@@ -168,13 +168,14 @@ def test_killed_rank_ends_the_job_and_resume_loses_at_most_one_interval(launcher
 
 
 def test_stalled_rank_ends_the_job_naming_it(tmp_path):
-    log = tmp_path / "progress"
+    checkpoints = tmp_path / "ckpt"
     run = start_and_wait_for("mpirun", [*LONG_RUN, "--max-steps", 100000, "--stall-timeout", 8,
-                                        "--metrics-file", log], lambda: True)
-    time.sleep(8)  # let it train
+                                        "--checkpoint-dir", checkpoints],
+                             lambda: (checkpoints / "ckpt-100.index").exists())
     rank_process(psutil.Process(run.pid), 1).send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
     status, stdout, stderr = ended_within(run, 60)
-    assert status != 0
+    assert status != 0 and time.monotonic() - stopped_at < 8 + 15
     lines = [line for line in output_lines(stderr) if "hvd_sgd" in line]
     assert len(lines) == 1 and "rank(s) 1 stopped responding" in lines[0], stderr[-3000:]
 

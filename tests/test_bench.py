@@ -1,0 +1,31 @@
+"""The benchmark runs in CI only as --quick, checked for numbers and files: never for timings."""
+import json
+import math
+import subprocess
+
+import pytest
+
+from conftest import PYTHON, ROOT
+
+
+@pytest.mark.slow
+def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
+    result = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--quick", "--results-dir", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    suites = results["suites"]
+    assert set(suites) == {"overhead", "scaling", "peer", "allreduce", "tta"}
+    for suite in ("overhead", "scaling", "peer"):
+        for model in ("softmax", "cnn"):
+            row = suites[suite][model]
+            assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in row.values()), row
+    for controller in ("mpi", "gloo"):
+        r = suites["allreduce"][controller]
+        assert len(r["horovod"]) == len(r["sizes"]) > 3 and all(v > 0 for v in r["horovod"])
+    assert len(suites["allreduce"]["mpi"]["mpi4py"]) == len(suites["allreduce"]["mpi"]["sizes"])
+    assert all(suites["tta"][k]["seconds"] > 0 for k in ("np1", "np2"))
+    assert len(results["verdicts"]) == 6 and all(v["passed"] in (True, False) for v in results["verdicts"])
+    for name in ("results.md", "overhead.png", "scaling.png", "peer.png", "scaling_efficiency.png", "allreduce.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "PASS" in (tmp_path / "results.md").read_text() or "MISS" in (tmp_path / "results.md").read_text()
