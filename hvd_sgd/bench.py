@@ -111,9 +111,13 @@ def mwms_throughput(model, global_batch, steps, workers, threads):
 
 
 def allreduce_bandwidth(controller, sizes):
-    launcher = ([shutil.which("mpirun"), "-np", "2", "--bind-to", "none"] if controller == "mpi"
-                else [str(_bin("horovodrun")), "--gloo", "-np", "2"])
-    return _results([_start(launcher + _worker("allreduce", ",".join(map(str, sizes))), _env(1))])[0]
+    """hvd.allreduce under the given controller; raw MPI (mpi4py, in processes without Horovod) beside the MPI one."""
+    sizes = ",".join(map(str, sizes))
+    mpirun = [shutil.which("mpirun"), "-np", "2"]
+    launcher = mpirun if controller == "mpi" else [str(_bin("horovodrun")), "--gloo", "-np", "2"]
+    result = _results([_start(launcher + _worker("allreduce", "horovod", sizes), _env(1))])[0]
+    raw = _results([_start(mpirun + _worker("allreduce", "mpi4py", sizes), _env(1))])[0] if controller == "mpi" else {}
+    return dict(sizes=result["sizes"], horovod=result["bandwidth"], mpi4py=raw.get("bandwidth", []))
 
 
 def time_to_accuracy(np_, plan):
@@ -206,9 +210,9 @@ def write_report(results, directory):
             md += ["| controller | size | hvd.allreduce GB/s | mpi4py Allreduce GB/s | ratio |", "| --- | --- | --- | --- | --- |"]
             for controller, r in rows.items():
                 for i, size in enumerate(r["sizes"]):
-                    raw = r["mpi4py"][i] if r["mpi4py"] else None
-                    md.append(f"| {controller} | {_size(size)} | {r['horovod'][i]:.3f} | "
-                              f"{'—' if raw is None else f'{raw:.3f}'} | {'—' if raw is None else f'{r['horovod'][i] / raw:.2f}'} |")
+                    ours, raw = r["horovod"][i], (r["mpi4py"][i] if r["mpi4py"] else None)
+                    versus = "— | —" if raw is None else f"{raw:.3f} | {ours / raw:.2f}"
+                    md.append(f"| {controller} | {_size(size)} | {ours:.3f} | {versus} |")
         elif suite == "tta":
             md += ["| ranks | target | seconds | epochs | final accuracy |", "| --- | --- | --- | --- | --- |"]
             md += [f"| {k[2:]} | {r['target']} | {r['seconds']:.0f} | {r['epochs']:.2f} | {r['accuracy']:.4f} |" for k, r in rows.items()]
@@ -335,37 +339,40 @@ def mwms_worker(model_name, global_batch, steps, threads):
         print("BENCH " + json.dumps(dict(images_per_second=timer.images_per_second())), flush=True)
 
 
-def allreduce_worker(sizes):
+def allreduce_worker(library, sizes):
+    """Bus bandwidth of a float32 sum all-reduce, per size: hvd.allreduce, or mpi4py's Allreduce."""
     import numpy as np
-    import tensorflow as tf
-    from hvd_sgd import world
-    w = world.start(threads_per_rank=1)
-    import horovod.tensorflow as hvd
-    mpi = None
-    if world.launched_by_mpi():
-        from mpi4py import MPI
-        mpi = MPI.COMM_WORLD
-    sizes = [int(s) for s in sizes.split(",")]
-    factor = 2 * (w.size - 1) / w.size
+    sizes = [int(s) for s in str(sizes).split(",")]
+    if library == "horovod":
+        import tensorflow as tf
+        from hvd_sgd import world
+        w = world.start(threads_per_rank=1)
+        import horovod.tensorflow as hvd
+        size, is_chief = w.size, w.is_chief
 
-    def bus_bandwidth(run, nbytes):
-        iterations = max(5, min(200, (256 << 20) // nbytes))
+        def make(nbytes):
+            tensor = tf.ones(nbytes // 4, tf.float32)
+            return lambda: hvd.allreduce(tensor, op=hvd.Sum)
+    else:
+        from mpi4py import MPI
+        size, is_chief = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank() == 0
+
+        def make(nbytes):
+            send, receive = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+            return lambda: MPI.COMM_WORLD.Allreduce(send, receive)
+
+    bandwidth = []
+    for nbytes in sizes:
+        run, iterations = make(nbytes), max(5, min(200, (256 << 20) // nbytes))
         for _ in range(3):
             run()
         start = time.perf_counter()
         for _ in range(iterations):
             run()
-        return factor * nbytes / ((time.perf_counter() - start) / iterations) / 1e9
-
-    result = dict(sizes=sizes, horovod=[], mpi4py=[])
-    for nbytes in sizes:
-        tensor = tf.ones(nbytes // 4, tf.float32)
-        result["horovod"].append(bus_bandwidth(lambda: hvd.allreduce(tensor, op=hvd.Sum).numpy(), nbytes))
-        if mpi is not None:
-            send, receive = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
-            result["mpi4py"].append(bus_bandwidth(lambda: mpi.Allreduce(send, receive), nbytes))
-    if w.is_chief:
-        print("BENCH " + json.dumps(result), flush=True)
+        seconds = (time.perf_counter() - start) / iterations
+        bandwidth.append(2 * (size - 1) / size * nbytes / seconds / 1e9)
+    if is_chief:
+        print("BENCH " + json.dumps(dict(sizes=sizes, bandwidth=bandwidth)), flush=True)
 
 
 WORKERS = {"keras": keras_worker, "mwms": mwms_worker, "allreduce": allreduce_worker}

@@ -81,8 +81,9 @@ def main(argv=None):
         batches = data.train_batches(dataset, data.rank_batch_indices(
             len(dataset.x_train), cfg.batch_size, w.size, w.rank, cfg.seed, int(step.numpy()), total_steps))
         result = None
-        for images, labels in batches:
-            loss = train_step(images, labels)
+        batch_iterator = iter(batches)
+        for _ in range(int(step.numpy()), total_steps):
+            loss = train_step(batch_iterator)
             n = int(step.numpy())
             after_step(n)
             report.step_done(n)
@@ -141,7 +142,8 @@ def main(argv=None):
 
 def _make_train_step(model, optimizer, step):
     @tf.function
-    def train_step(images, labels):
+    def train_step(batch_iterator):
+        images, labels = next(batch_iterator)  # inside the graph, as Keras' fit does: no Python hop per batch
         with tf.GradientTape() as tape:
             loss = LOSS(labels, model(images, training=True))
         optimizer.minimize(loss, model.trainable_variables, tape=tape)  # all-reduces the gradients
