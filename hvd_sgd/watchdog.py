@@ -70,7 +70,9 @@ class Watchdog:
             if age is None or age > max(3 * BEAT_SECONDS, self.timeout / 4):
                 frozen.append(rank)
         alive = [r for r in range(self.world.size) if r not in frozen]
-        if not alive or self.world.rank == alive[0]:
+        # The lowest live rank reports. A rank that was itself frozen (its own heartbeat is stale)
+        # and is woken by the launcher's SIGCONT before its SIGTERM says nothing.
+        if alive and self.world.rank == alive[0]:
             who = (f"rank(s) {', '.join(map(str, frozen))} stopped responding" if frozen
                    else "no rank stopped responding, but a collective operation is blocked")
             sys.stderr.write(f"hvd_sgd: error: no training step finished for {self.timeout:.0f} s after step "
