@@ -281,42 +281,41 @@ def _plot(results, directory):
 
 # --- workers: what the contender processes run ----------------------------------------------------
 
-class _StepTimer:
-    """Keras callback: images per second over all batches but the first."""
-
-    def __new__(cls, batch_size):
-        import tensorflow as tf
-
-        class Timer(tf.keras.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                if batch == 0:
-                    self.start = time.perf_counter()
-                self.last, self.batches = time.perf_counter(), batch
-
-            def images_per_second(self):
-                return self.batches * batch_size / (self.last - self.start)
-
-        return Timer()
-
-
-def _keras_setup(model_name, batch, steps, threads, shards=1):
+def _step_timer(batch_size):
+    """A Keras callback measuring images per second over all batches but the first."""
     import tensorflow as tf
-    from hvd_sgd import data, models
+
+    class StepTimer(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                self.start = time.perf_counter()
+            self.last, self.batches = time.perf_counter(), batch
+
+        def images_per_second(self):
+            return self.batches * batch_size / (self.last - self.start)
+
+    return StepTimer()
+
+
+def _keras_setup(batch, steps, threads):
+    """Threads, data and this worker's batches, as hvd_sgd would set them up for one rank."""
+    import tensorflow as tf
+    from hvd_sgd import data
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
     dataset = data.load("mnist")
-    indices = data.rank_batch_indices(len(dataset.x_train), batch, shards, 0, 1, 0, steps)
+    indices = data.rank_batch_indices(len(dataset.x_train), batch, 1, 0, 1, 0, steps)
     return dataset, indices
 
 
 def keras_worker(model_name, batch, steps, threads):
     import tensorflow as tf
     from hvd_sgd import data, models
-    dataset, indices = _keras_setup(model_name, batch, steps, threads)
+    dataset, indices = _keras_setup(batch, steps, threads)
     model = models.build(model_name, dataset.image_shape, 1)
     model.compile(tf.keras.optimizers.SGD(0.01, momentum=0.9),
                   tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    timer = _StepTimer(batch)
+    timer = _step_timer(batch)
     model.fit(data.train_batches(dataset, indices), epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer])
     print("BENCH " + json.dumps(dict(images_per_second=timer.images_per_second())), flush=True)
 
@@ -324,7 +323,7 @@ def keras_worker(model_name, batch, steps, threads):
 def mwms_worker(model_name, global_batch, steps, threads):
     import tensorflow as tf
     from hvd_sgd import data, models
-    dataset, indices = _keras_setup(model_name, global_batch, steps, threads)
+    dataset, indices = _keras_setup(global_batch, steps, threads)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
@@ -333,7 +332,7 @@ def mwms_worker(model_name, global_batch, steps, threads):
         model = models.build(model_name, dataset.image_shape, 1)
         model.compile(tf.keras.optimizers.SGD(0.01, momentum=0.9),
                       tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    timer = _StepTimer(global_batch)
+    timer = _step_timer(global_batch)
     model.fit(batches, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer])
     if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0:
         print("BENCH " + json.dumps(dict(images_per_second=timer.images_per_second())), flush=True)

@@ -3,7 +3,6 @@
 Each bad input must give one line naming the problem, from one rank; a non-zero exit on every
 rank; no hang; and no output left behind that looks valid."""
 import os
-import shutil
 import signal
 import subprocess
 import time

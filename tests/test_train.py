@@ -74,7 +74,7 @@ def test_cnn_learns_and_the_saved_model_loads_with_plain_tensorflow(tmp_path):
     assert accuracy >= 0.96, accuracy
     assert list((tmp_path / "tb").iterdir())  # TensorBoard event file
     # A fresh process with nothing but TensorFlow (and its numpy) reproduces the accuracy.
-    check = subprocess.run([PYTHON, "-c", f"""
+    check = subprocess.run([PYTHON, "-c", """
 import sys, numpy as np, tensorflow as tf
 test = np.load(sys.argv[1])
 x, y = test["x_test"][:2000, ..., None] / 255.0, test["y_test"][:2000]
