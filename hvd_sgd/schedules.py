@@ -7,7 +7,6 @@ function of the global step alone, so a resumed run follows it exactly.
 import math
 
 import tensorflow as tf
-from horovod.tensorflow.mpi_ops import size_op
 
 
 @tf.keras.utils.register_keras_serializable("hvd_sgd")
@@ -20,6 +19,9 @@ class WarmupCosine(tf.keras.optimizers.schedules.LearningRateSchedule):
         self.warmup_steps, self.decay_steps = int(warmup_steps), int(decay_steps)
 
     def __call__(self, step):
+        # Imported here, not at the top: importing this module must not load Horovod's extension
+        # before world.start() has checked it can report a broken build in one line.
+        from horovod.tensorflow.mpi_ops import size_op
         step = tf.cast(step, tf.float32)
         peak = self.base * (tf.cast(size_op(), tf.float32) if self.scale_by_world_size else 1.0)
         warmup = tf.maximum(float(self.warmup_steps), 1.0)

@@ -30,12 +30,16 @@ _MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
 
 def launch_rank():
     """This process's rank as the launcher announced it, usable before Horovod starts."""
-    return next((int(os.environ[v]) for v in _RANK_VARIABLES if v in os.environ), 0)
+    return _announced(_RANK_VARIABLES, 0)
 
 
 def launch_size():
     """The number of ranks as the launcher announced it (1 when started without one)."""
-    return next((int(os.environ[v]) for v in _SIZE_VARIABLES if v in os.environ), 1)
+    return _announced(_SIZE_VARIABLES, 1)
+
+
+def _announced(variables, default):
+    return next((int(os.environ[v]) for v in variables if v in os.environ), default)
 
 
 def launched_by_mpi():
