@@ -23,6 +23,7 @@ import os
 import platform
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,7 @@ class Plan:
     quick: bool
     results_dir: str
     suites: tuple
+    rounds: int
 
     def steps(self, model):
         return {("softmax", True): 300, ("softmax", False): 3000, ("cnn", True): 40, ("cnn", False): 300}[model, self.quick]
@@ -117,7 +119,8 @@ def allreduce_bandwidth(controller, sizes):
     launcher = mpirun if controller == "mpi" else [str(_bin("horovodrun")), "--gloo", "-np", "2"]
     result = _results([_start(launcher + _worker("allreduce", "horovod", sizes), _env(1))])[0]
     raw = _results([_start(mpirun + _worker("allreduce", "mpi4py", sizes), _env(1))])[0] if controller == "mpi" else {}
-    return dict(sizes=result["sizes"], horovod=result["bandwidth"], mpi4py=raw.get("bandwidth", []))
+    return dict(sizes=result["sizes"], horovod=result["bandwidth"], mpi4py=raw.get("bandwidth", []),
+                mpi4py_fixed_buffers=raw.get("bandwidth_fixed", []))
 
 
 def time_to_accuracy(np_, plan):
@@ -154,7 +157,7 @@ def _free_ports(n):
 def run_suites(plan):
     cores = os.cpu_count()
     results = dict(machine=dict(cores=cores, platform=platform.platform(), python=platform.python_version()),
-                   quick=plan.quick, suites={})
+                   quick=plan.quick, rounds=plan.rounds, suites={})
     for suite in plan.suites:
         print(f"== {suite}", flush=True)
         if suite == "allreduce":
@@ -167,19 +170,35 @@ def run_suites(plan):
         for model in MODELS:
             steps, batch = plan.steps(model), GLOBAL_BATCH[model]
             if suite == "overhead":
-                ours, theirs = hvd_sgd_throughput(1, model, steps), keras_throughput(model, batch, steps, cores)[0]
-                rows[model] = dict(hvd_sgd_np1=ours, keras_np1=theirs, ratio=ours / theirs)
+                contenders = dict(hvd_sgd_np1=lambda: hvd_sgd_throughput(1, model, steps),
+                                  keras_np1=lambda: keras_throughput(model, batch, steps, cores)[0])
             elif suite == "scaling":
-                ours = hvd_sgd_throughput(2, model, steps)
-                ceiling = sum(keras_throughput(model, batch // 2, steps, max(1, cores // 2), copies=2))
-                rows[model] = dict(hvd_sgd_np2=ours, independent_2x1=ceiling, ratio=ours / ceiling)
+                contenders = dict(hvd_sgd_np2=lambda: hvd_sgd_throughput(2, model, steps), independent_2x1=lambda: sum(
+                    keras_throughput(model, batch // 2, steps, max(1, cores // 2), copies=2)))
             elif suite == "peer":
-                ours = hvd_sgd_throughput(2, model, steps)
-                theirs = mwms_throughput(model, batch, steps, 2, max(1, cores // 2))
-                rows[model] = dict(hvd_sgd_np2=ours, mwms_np2=theirs, ratio=ours / theirs)
+                contenders = dict(hvd_sgd_np2=lambda: hvd_sgd_throughput(2, model, steps),
+                                  mwms_np2=lambda: mwms_throughput(model, batch, steps, 2, max(1, cores // 2)))
+            rows[model] = paired(contenders, plan.rounds)
             print(f"   {model}: {json.dumps(rows[model])}", flush=True)
         results["suites"][suite] = rows
     return results
+
+
+def paired(contenders, rounds):
+    """Measure two contenders back to back, ``rounds`` times, alternating which goes first.
+
+    This machine's speed drifts by 20 % over minutes, so one pair of runs can mislead: the row
+    holds each contender's median and the median of the per-round ratios (first / second), each
+    ratio taken from two runs seconds apart."""
+    (first, measure_first), (second, measure_second) = contenders.items()
+    runs = {first: [], second: []}
+    for i in range(rounds):
+        order = [(first, measure_first), (second, measure_second)]
+        for name, measure in order if i % 2 == 0 else order[::-1]:
+            runs[name].append(measure())
+    ratios = [a / b for a, b in zip(runs[first], runs[second])]
+    return {first: statistics.median(runs[first]), second: statistics.median(runs[second]),
+            "ratio": statistics.median(ratios), "rounds": dict(runs, ratio=ratios)}
 
 
 def verdicts(results):
@@ -203,15 +222,20 @@ def write_report(results, directory):
     with open(os.path.join(directory, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     md = [f"# hvd_sgd benchmark ({'quick' if results['quick'] else 'full'})", "",
-          f"Machine: {results['machine']['cores']} cores, {results['machine']['platform']}.", ""]
+          f"Machine: {results['machine']['cores']} cores, {results['machine']['platform']}. "
+          f"Images per second are medians over {results['rounds']} round(s); a ratio is the median of per-round ratios.", ""]
     for suite, rows in results["suites"].items():
         md += [f"## {suite}", ""]
         if suite == "allreduce":
-            md += ["| controller | size | hvd.allreduce GB/s | mpi4py Allreduce GB/s | ratio |", "| --- | --- | --- | --- | --- |"]
+            md += ["Bus bandwidth, GB/s. Each all-reduce reduces the previous one's result; the last two columns "
+                   "reduce one cache-warm send buffer over and over (textbook loop, shown, not the target).", "",
+                   "| controller | size | hvd.allreduce | mpi4py Allreduce | ratio | mpi4py, fixed buffers | ratio |",
+                   "| --- | --- | --- | --- | --- | --- | --- |"]
             for controller, r in rows.items():
                 for i, size in enumerate(r["sizes"]):
-                    ours, raw = r["horovod"][i], (r["mpi4py"][i] if r["mpi4py"] else None)
-                    versus = "— | —" if raw is None else f"{raw:.3f} | {ours / raw:.2f}"
+                    ours = r["horovod"][i]
+                    versus = " | ".join(f"{r[k][i]:.3f} | {ours / r[k][i]:.2f}" if r[k] else "— | —"
+                                        for k in ("mpi4py", "mpi4py_fixed_buffers"))
                     md.append(f"| {controller} | {_size(size)} | {ours:.3f} | {versus} |")
         elif suite == "tta":
             md += ["| ranks | target | seconds | epochs | final accuracy |", "| --- | --- | --- | --- | --- |"]
@@ -219,9 +243,11 @@ def write_report(results, directory):
             if len(rows) == 2:
                 md.append(f"\nSpeed-up np2 over np1: {rows['np1']['seconds'] / rows['np2']['seconds']:.2f}x")
         else:
-            keys = [k for k in next(iter(rows.values())) if k != "ratio"]
-            md += [f"| model | {' img/s | '.join(keys)} img/s | ratio |", "| --- |" + " --- |" * (len(keys) + 1)]
-            md += [f"| {m} | {' | '.join(f'{r[k]:.0f}' for k in keys)} | {r['ratio']:.2f} |" for m, r in rows.items()]
+            keys = [k for k in next(iter(rows.values())) if k not in ("ratio", "rounds")]
+            md += [f"| model | {' img/s | '.join(keys)} img/s | ratio | per-round ratios |",
+                   "| --- |" + " --- |" * (len(keys) + 2)]
+            md += [f"| {m} | {' | '.join(f'{r[k]:.0f}' for k in keys)} | {r['ratio']:.2f} | "
+                   f"{', '.join(f'{x:.2f}' for x in r['rounds']['ratio'])} |" for m, r in rows.items()]
         md.append("")
     md += ["## Targets", "", "| target | measured | needed | |", "| --- | --- | --- | --- |"]
     md += [f"| {v['target']} | {v['measured']} | {v['minimum']} | {'PASS' if v['passed'] else 'MISS'} |" for v in results["verdicts"]]
@@ -245,7 +271,7 @@ def _plot(results, directory):
             continue
         fig, axes = plt.subplots(1, len(rows), figsize=(4.5 * len(rows), 3.5))
         for ax, (model, row) in zip(list(getattr(axes, "flat", [axes])), rows.items()):
-            keys = [k for k in row if k != "ratio"]
+            keys = [k for k in row if k not in ("ratio", "rounds")]
             ax.bar(keys, [row[k] for k in keys], color=["tab:blue", "tab:gray"])
             ax.set_title(f"{suite}: {model} (ratio {row['ratio']:.2f})")
             ax.set_ylabel("images / second")
@@ -339,7 +365,12 @@ def mwms_worker(model_name, global_batch, steps, threads):
 
 
 def allreduce_worker(library, sizes):
-    """Bus bandwidth of a float32 sum all-reduce, per size: hvd.allreduce, or mpi4py's Allreduce."""
+    """Bus bandwidth of a float32 sum all-reduce, per size: hvd.allreduce, or mpi4py's Allreduce.
+
+    Both run the same chain, each all-reduce reducing the previous one's result (zeros, so the
+    sums stay finite), as training reduces fresh gradients each step: hvd.allreduce in a compiled
+    tf.function loop, as training runs it. mpi4py also reports the flattering textbook loop that
+    reduces one send buffer over and over, which its cache keeps warm (``bandwidth_fixed``)."""
     import numpy as np
     sizes = [int(s) for s in str(sizes).split(",")]
     if library == "horovod":
@@ -349,29 +380,43 @@ def allreduce_worker(library, sizes):
         import horovod.tensorflow as hvd
         size, is_chief = w.size, w.is_chief
 
-        def make(nbytes):
-            tensor = tf.ones(nbytes // 4, tf.float32)
-            return lambda: hvd.allreduce(tensor, op=hvd.Sum)
+        @tf.function
+        def allreduce_chain(tensor, iterations):
+            return tf.while_loop(lambda i, t: i < iterations, lambda i, t: (i + 1, hvd.allreduce(t, op=hvd.Sum)),
+                                 (tf.constant(0), tensor))[1]
+
+        def chain(nbytes):
+            tensor = tf.zeros(nbytes // 4, tf.float32)
+            return lambda iterations: allreduce_chain(tensor, tf.constant(iterations)).numpy()
+        loops = dict(bandwidth=chain)
     else:
         from mpi4py import MPI
         size, is_chief = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank() == 0
 
-        def make(nbytes):
-            send, receive = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
-            return lambda: MPI.COMM_WORLD.Allreduce(send, receive)
+        def mpi_loop(fixed):
+            def make(nbytes):
+                buffers = [np.zeros(nbytes // 4, np.float32) for _ in range(2)]
 
-    bandwidth = []
-    for nbytes in sizes:
-        run, iterations = make(nbytes), max(5, min(200, (256 << 20) // nbytes))
-        for _ in range(3):
-            run()
-        start = time.perf_counter()
-        for _ in range(iterations):
-            run()
-        seconds = (time.perf_counter() - start) / iterations
-        bandwidth.append(2 * (size - 1) / size * nbytes / seconds / 1e9)
+                def run(iterations):
+                    for i in range(iterations):
+                        source = 0 if fixed else i % 2
+                        MPI.COMM_WORLD.Allreduce(buffers[source], buffers[1 - source])
+                return run
+            return make
+        loops = dict(bandwidth=mpi_loop(fixed=False), bandwidth_fixed=mpi_loop(fixed=True))
+
+    result = dict(sizes=sizes)
+    for key, make in loops.items():
+        result[key] = []
+        for nbytes in sizes:
+            run, iterations = make(nbytes), max(5, min(200, (256 << 20) // nbytes))
+            run(3)
+            start = time.perf_counter()
+            run(iterations)
+            seconds = (time.perf_counter() - start) / iterations
+            result[key].append(2 * (size - 1) / size * nbytes / seconds / 1e9)
     if is_chief:
-        print("BENCH " + json.dumps(dict(sizes=sizes, bandwidth=bandwidth)), flush=True)
+        print("BENCH " + json.dumps(result), flush=True)
 
 
 WORKERS = {"keras": keras_worker, "mwms": mwms_worker, "allreduce": allreduce_worker}
@@ -385,11 +430,15 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="every suite small enough to finish in under 3 minutes")
     parser.add_argument("--results-dir", default="results/bench", help="where results.json, results.md and the PNG plots go")
     parser.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, from {','.join(SUITES)}")
+    parser.add_argument("--rounds", type=int, help="times each pair of contenders runs, alternating (default 3; 1 with --quick)")
     args = parser.parse_args(argv)
     suites = tuple(args.suites.split(","))
     if not set(suites) <= set(SUITES):
         parser.error(f"--suites: unknown {sorted(set(suites) - set(SUITES))}")
-    plan = Plan(args.quick, args.results_dir, suites)
+    rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
+    if rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {rounds}")
+    plan = Plan(args.quick, args.results_dir, suites, rounds)
     started = time.perf_counter()
     results = run_suites(plan)
     results["seconds"] = time.perf_counter() - started

@@ -26,8 +26,8 @@ LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 def main(argv=None):
     cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=world.launch_rank() == 0)
 
-    # 1. Start Horovod; pin one GPU per rank (by local rank), or give the rank its share of the cores.
-    w = world.start(cfg.threads_per_rank, cfg.stall_timeout)
+    # 1. Start Horovod; pin one GPU per rank (by local rank) and bind the rank to its share of the cores.
+    w = world.start(cfg.threads_per_rank, cfg.stall_timeout, cfg.bind_cpus)
     import horovod.tensorflow as hvd
     dog = watchdog.Watchdog(w, None if cfg.elastic else cfg.stall_timeout).start()  # a frozen rank ends the job
     w.log(f"hvd_sgd: {w.size} rank(s) on {w.device}, {w.threads} thread(s) each, model {cfg.model}")

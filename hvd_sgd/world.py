@@ -173,8 +173,8 @@ class World:
         return digests
 
 
-def start(threads_per_rank=0, stall_timeout=60.0):
-    """hvd.init, then pin this rank to one GPU (by local rank) or to its share of the CPU cores.
+def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
+    """hvd.init, then pin this rank to one GPU (by local rank) and to its share of the CPU cores.
 
     Horovod's stall check is set to shut the job down, not only warn, after ``stall_timeout``
     seconds in which the ranks submitted different collectives (the user's environment wins).
@@ -208,16 +208,31 @@ def start(threads_per_rank=0, stall_timeout=60.0):
         device = f"GPU {gpu.name}"
     else:
         device = "CPU"
-    threads = threads_per_rank or _cpu_share(hvd.local_size())
+    cpu_share = _cpu_share(bind_cpus)
+    threads = threads_per_rank or cpu_share
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
     job_token = hvd.broadcast_object(secrets.token_hex(8) if hvd.rank() == 0 else None, root_rank=0)
     return World(device, threads, job_token)
 
 
-def _cpu_share(local_size):
-    """CPUs this rank may use: all of its affinity mask if the launcher bound it, else an equal share."""
-    allowed = len(os.sched_getaffinity(0))
-    if allowed < (os.cpu_count() or allowed):  # bound by mpirun/srun to its own cores
-        return allowed
-    return max(1, allowed // local_size)
+def _cpu_share(bind):
+    """The number of CPUs this rank may use; a rank the launcher left unbound is bound to its share.
+
+    mpirun binds each rank to its own core by default (up to 2 ranks), srun --cpu-bind too: such
+    a mask, smaller than the machine, is kept. horovodrun passes ``-bind-to none``: local rank r
+    is then bound to the r-th equal slice of the CPUs, all its threads included (Horovod's
+    background thread is already running). Left unbound, the OS at times put both ranks' busy
+    threads on one core: softmax on 2 ranks ran at 64k or 130k img/s from one run to the next,
+    bound at 140-159k every time (docs/benchmarks.md).
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < (os.cpu_count() or len(cpus)):
+        return len(cpus)  # bound by the launcher
+    share = len(cpus) // hvd.local_size()
+    if bind and hvd.local_size() > 1 and share > 0:
+        own = cpus[hvd.local_rank() * share:(hvd.local_rank() + 1) * share]
+        for thread in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
+                os.sched_setaffinity(int(thread), own)
+    return max(1, share)

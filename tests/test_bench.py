@@ -18,12 +18,15 @@ def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
     assert set(suites) == {"overhead", "scaling", "peer", "allreduce", "tta"}
     for suite in ("overhead", "scaling", "peer"):
         for model in ("softmax", "cnn"):
-            row = suites[suite][model]
+            row = dict(suites[suite][model])
+            rounds = row.pop("rounds")
             assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in row.values()), row
+            assert all(len(values) == results["rounds"] == 1 for values in rounds.values()), rounds
     for controller in ("mpi", "gloo"):
         r = suites["allreduce"][controller]
         assert len(r["horovod"]) == len(r["sizes"]) > 3 and all(v > 0 for v in r["horovod"])
-    assert len(suites["allreduce"]["mpi"]["mpi4py"]) == len(suites["allreduce"]["mpi"]["sizes"])
+    for raw in ("mpi4py", "mpi4py_fixed_buffers"):
+        assert len(suites["allreduce"]["mpi"][raw]) == len(suites["allreduce"]["mpi"]["sizes"])
     assert all(suites["tta"][k]["seconds"] > 0 for k in ("np1", "np2"))
     assert len(results["verdicts"]) == 6 and all(v["passed"] in (True, False) for v in results["verdicts"])
     for name in ("results.md", "overhead.png", "scaling.png", "peer.png", "scaling_efficiency.png", "allreduce.png"):

@@ -1,9 +1,13 @@
 """End-to-end: real launchers, real processes, real Horovod, small MNIST subsets."""
+import json
+import os
+import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
+import conftest
 from conftest import PYTHON, launch, output_lines, read_json, reported_accuracy, saved_weights, succeeded
 
 
@@ -19,6 +23,39 @@ def test_every_launcher_trains_and_ranks_end_identical(launcher, np_, tmp_path, 
     assert len(summary["weight_checksums"]) == np_ and len(set(summary["weight_checksums"])) == 1
     assert summary["images_per_second"] > 0 and summary["versions"]["horovod"] == "0.28.1"
     assert sum(line.startswith("Test accuracy") for line in output_lines(result.stdout)) == 1  # rank 0 alone
+
+
+PLACEMENT = """
+import json, os, sys
+from hvd_sgd import world
+w = world.start(bind_cpus=sys.argv[1] == "bind")
+threads = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+print("PLACEMENT " + json.dumps(dict(rank=w.rank, threads=w.threads, cpus=sorted(os.sched_getaffinity(0)),
+                                     same_for_all_threads=len(threads) == 1)))
+"""
+
+
+@pytest.mark.parametrize("launcher,bind", [("horovodrun", True), ("horovodrun", False), ("mpirun", True)])
+def test_each_rank_gets_its_own_share_of_the_cores(launcher, bind, tmp_path):
+    """horovodrun leaves ranks unbound: hvd_sgd binds each (all its threads) to its own slice,
+    unless --no-bind-cpus; mpirun's own binding is kept."""
+    script = tmp_path / "placement.py"
+    script.write_text(PLACEMENT)
+    # mpirun --bind-to core: its default for up to 2 ranks, stated so on any machine.
+    launcher_command = [str(conftest.BIN / "horovodrun"), "-np", "2"] if launcher == "horovodrun" else \
+        [shutil.which("mpirun"), "-np", "2", "--bind-to", "core"]
+    environment = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(conftest.ROOT))
+    result = succeeded(subprocess.run([*launcher_command, PYTHON, str(script), "bind" if bind else "no"], cwd=conftest.ROOT,
+                                      env=environment, capture_output=True, text=True, timeout=120))
+    ranks = sorted((json.loads(line.split("PLACEMENT ", 1)[1]) for line in output_lines(result.stdout) if "PLACEMENT " in line),
+                   key=lambda r: r["rank"])
+    assert [r["rank"] for r in ranks] == [0, 1]
+    machine = sorted(os.sched_getaffinity(0))
+    if bind:
+        assert set(ranks[0]["cpus"]).isdisjoint(ranks[1]["cpus"]), ranks
+        assert all(r["same_for_all_threads"] and r["threads"] == len(r["cpus"]) >= 1 for r in ranks), ranks
+    else:
+        assert all(r["cpus"] == machine and r["threads"] == max(1, len(machine) // 2) for r in ranks), ranks
 
 
 def train_and_save(tmp_path, name, launcher, np_, *args):
