@@ -38,7 +38,7 @@ class TrainConfig:
     warmup_epochs: float = option(0.0, "ramp the learning rate linearly from --lr to its scaled value over this many epochs (Goyal et al.)")
     seed: int = option(1, "seed of the weights' initialisation and of the data order (the order does not depend on the number of ranks)")
     threads_per_rank: int = option(0, "TensorFlow intra-op threads per rank; 0 = the rank's CPUs divided among the ranks on its node")
-    bind_cpus: bool = option(True, "leave an unbound rank unbound (horovodrun does not bind; by default each rank is then bound to its own share of the node's CPUs)", flag="--no-bind-cpus")
+    bind_cpus: bool = option(True, "do not bind the ranks a launcher left unbound (horovodrun binds none); by default each gets its own equal share of the node's CPUs", flag="--no-bind-cpus")
     target_accuracy: float = option(0.0, "stop once a test evaluation (after each epoch) reaches this accuracy; 0 = train to the end")
     train_examples: int = option(0, "train on the first N training examples only (0 = all); for quick trials")
     test_examples: int = option(0, "evaluate on the first N test examples only (0 = all)")

@@ -224,7 +224,8 @@ def _cpu_share(bind):
     is then bound to the r-th equal slice of the CPUs, all its threads included (Horovod's
     background thread is already running). Left unbound, the OS at times put both ranks' busy
     threads on one core: softmax on 2 ranks ran at 64k or 130k img/s from one run to the next,
-    bound at 140-159k every time (docs/benchmarks.md).
+    bound at 140-159k every time (docs/benchmarks.md). A container limited to fewer CPUs than
+    the host looks bound too: its ranks are not rebound.
     """
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < (os.cpu_count() or len(cpus)):
