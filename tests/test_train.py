@@ -1,6 +1,7 @@
 """End-to-end: real launchers, real processes, real Horovod, small MNIST subsets."""
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -25,13 +26,13 @@ def test_every_launcher_trains_and_ranks_end_identical(launcher, np_, tmp_path, 
     assert sum(line.startswith("Test accuracy") for line in output_lines(result.stdout)) == 1  # rank 0 alone
 
 
-PLACEMENT = """
+PLACEMENT = r"""
 import json, os, sys
 from hvd_sgd import world
 w = world.start(bind_cpus=sys.argv[1] == "bind")
 threads = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
-print("PLACEMENT " + json.dumps(dict(rank=w.rank, threads=w.threads, cpus=sorted(os.sched_getaffinity(0)),
-                                     same_for_all_threads=len(threads) == 1)))
+sys.stdout.write("PLACEMENT " + json.dumps(dict(rank=w.rank, threads=w.threads, cpus=sorted(os.sched_getaffinity(0)),
+                                                same_for_all_threads=len(threads) == 1)) + "\n")  # one write per line
 """
 
 
@@ -47,8 +48,7 @@ def test_each_rank_gets_its_own_share_of_the_cores(launcher, bind, tmp_path):
     environment = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(conftest.ROOT))
     result = succeeded(subprocess.run([*launcher_command, PYTHON, str(script), "bind" if bind else "no"], cwd=conftest.ROOT,
                                       env=environment, capture_output=True, text=True, timeout=120))
-    ranks = sorted((json.loads(line.split("PLACEMENT ", 1)[1]) for line in output_lines(result.stdout) if "PLACEMENT " in line),
-                   key=lambda r: r["rank"])
+    ranks = sorted(map(json.loads, re.findall(r"PLACEMENT (\{[^{}]*\})", result.stdout)), key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1]
     machine = sorted(os.sched_getaffinity(0))
     if bind:
