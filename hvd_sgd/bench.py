@@ -18,6 +18,7 @@ processes run. Output: results.json, results.md and PNG plots in the results dir
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -393,17 +394,17 @@ def allreduce_worker(library, sizes):
         from mpi4py import MPI
         size, is_chief = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank() == 0
 
-        def mpi_loop(fixed):
-            def make(nbytes):
-                buffers = [np.zeros(nbytes // 4, np.float32) for _ in range(2)]
+        def mpi_chain(nbytes, fixed):
+            """Each Allreduce reduces the previous result or, ``fixed``, the same send buffer every time."""
+            buffers = [np.zeros(nbytes // 4, np.float32) for _ in range(2)]
 
-                def run(iterations):
-                    for i in range(iterations):
-                        source = 0 if fixed else i % 2
-                        MPI.COMM_WORLD.Allreduce(buffers[source], buffers[1 - source])
-                return run
-            return make
-        loops = dict(bandwidth=mpi_loop(fixed=False), bandwidth_fixed=mpi_loop(fixed=True))
+            def run(iterations):
+                for i in range(iterations):
+                    source = 0 if fixed else i % 2
+                    MPI.COMM_WORLD.Allreduce(buffers[source], buffers[1 - source])
+            return run
+        loops = dict(bandwidth=functools.partial(mpi_chain, fixed=False),
+                     bandwidth_fixed=functools.partial(mpi_chain, fixed=True))
 
     result = dict(sizes=sizes)
     for key, make in loops.items():

@@ -2,13 +2,11 @@
 import json
 import os
 import re
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
-import conftest
 from conftest import PYTHON, launch, output_lines, read_json, reported_accuracy, saved_weights, succeeded
 
 
@@ -40,14 +38,8 @@ sys.stdout.write("PLACEMENT " + json.dumps(dict(rank=w.rank, threads=w.threads, 
 def test_each_rank_gets_its_own_share_of_the_cores(launcher, bind, tmp_path):
     """horovodrun leaves ranks unbound: hvd_sgd binds each (all its threads) to its own slice,
     unless --no-bind-cpus; mpirun's own binding is kept."""
-    script = tmp_path / "placement.py"
-    script.write_text(PLACEMENT)
-    # mpirun --bind-to core: its default for up to 2 ranks, stated so on any machine.
-    launcher_command = [str(conftest.BIN / "horovodrun"), "-np", "2"] if launcher == "horovodrun" else \
-        [shutil.which("mpirun"), "-np", "2", "--bind-to", "core"]
-    environment = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(conftest.ROOT))
-    result = succeeded(subprocess.run([*launcher_command, PYTHON, str(script), "bind" if bind else "no"], cwd=conftest.ROOT,
-                                      env=environment, capture_output=True, text=True, timeout=120))
+    (tmp_path / "placement.py").write_text(PLACEMENT)
+    result = succeeded(launch(launcher, 2, "bind" if bind else "no", module="placement", env={"PYTHONPATH": str(tmp_path)}))
     ranks = sorted(map(json.loads, re.findall(r"PLACEMENT (\{[^{}]*\})", result.stdout)), key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1]
     machine = sorted(os.sched_getaffinity(0))
