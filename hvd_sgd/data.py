@@ -209,15 +209,25 @@ def train_batches(dataset, indices):
     def gather(batch):
         return _to_model_input(tf.gather(images, batch)), tf.cast(tf.gather(labels, batch), tf.int32)
 
-    return (tf.data.Dataset.from_tensor_slices(indices)
-            .map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-            .prefetch(tf.data.AUTOTUNE))
+    return _without_autotuner(tf.data.Dataset.from_tensor_slices(indices).map(gather).prefetch(2))
 
 
 def test_batches(dataset, batch_size=1000):
     import tensorflow as tf
-    return (tf.data.Dataset.from_tensor_slices((dataset.x_test, dataset.y_test.astype(np.int32)))
-            .batch(batch_size).map(lambda x, y: (_to_model_input(x), y)).prefetch(tf.data.AUTOTUNE))
+    return _without_autotuner(tf.data.Dataset.from_tensor_slices((dataset.x_test, dataset.y_test.astype(np.int32)))
+                              .batch(batch_size).map(lambda x, y: (_to_model_input(x), y)).prefetch(2))
+
+
+def _without_autotuner(pipeline):
+    """A batch is one gather (microseconds): the fixed prefetch above keeps the model fed, and
+    tf.data's autotuner has nothing to tune. It also costs time: its thread sleeps for a period
+    that doubles up to a minute, and TensorFlow 2.15 does not always wake it when the iterator is
+    deleted. Deleting the iterator then waits out that sleep: 7.5 s after 300 CNN steps, in about
+    half of the runs here (docs/benchmarks.md)."""
+    import tensorflow as tf
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return pipeline.with_options(options)
 
 
 def _to_model_input(images):

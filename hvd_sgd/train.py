@@ -169,19 +169,23 @@ def _finite(value, what, step):
 class _Report:
     """Rank 0's progress lines and TensorBoard scalars, and the training throughput.
 
-    Throughput counts from the end of the first step (which traces the graph) and leaves out the
-    time spent evaluating and writing checkpoints."""
+    Throughput counts from the end of the first step (which traces the graph) to the end of the
+    latest one, and leaves out the time spent evaluating and writing checkpoints."""
 
     def __init__(self, world, cfg, lr, total_steps):
         self.world, self.cfg, self.lr, self.total_steps = world, cfg, lr, total_steps
         self.summaries = world.summary_writer(cfg.log_dir)
         self.created = time.perf_counter()
-        self.start = self.first_timed_step = None
-        self.excluded = 0.0
+        self.first_timed_step = self.clock = None
+        self.seconds = 0.0  # training time since the first step ended
 
     def step_done(self, step):
-        if self.start is None:
-            self.start, self.first_timed_step = time.perf_counter(), step
+        now = time.perf_counter()
+        if self.first_timed_step is None:
+            self.first_timed_step = step
+        else:
+            self.seconds += now - self.clock
+        self.clock = now
 
     def train(self, step, epoch, loss):
         rate = self.images_per_second(step)
@@ -200,18 +204,16 @@ class _Report:
         return result
 
     def images_per_second(self, step):
-        seconds = time.perf_counter() - self.start - self.excluded if self.start else 0
         global_batch = self.cfg.batch_size * self.world.size
-        return (step - self.first_timed_step) * global_batch / seconds if seconds > 0 else 0.0
+        return (step - self.first_timed_step) * global_batch / self.seconds if self.seconds > 0 else 0.0
 
     def wall_seconds(self):
         return time.perf_counter() - self.created
 
     @contextlib.contextmanager
     def paused(self):
-        t = time.perf_counter()
         yield
-        self.excluded += time.perf_counter() - t
+        self.clock = time.perf_counter()
 
 
 def cli():

@@ -122,3 +122,18 @@ def test_the_mnist_pickle_is_not_unpickled_unless_its_hash_matches():
     evil = pickle.dumps(("not", "mnist"))
     with pytest.raises(JobError, match="refusing to unpickle"):
         data._unpack_mnist_pickle(gzip.compress(evil), "x.pkl.gz")
+
+
+def test_pipelines_yield_the_indexed_examples_and_run_without_the_autotuner(tmp_path):
+    """Without tf.data's autotuner: its thread can hold up the iterator's deletion for seconds."""
+    arrays = write_dataset(tmp_path)
+    dataset = data.read_idx_dir(str(tmp_path), "custom")
+    indices = np.array([[3, 1], [0, 7]])
+    train = data.train_batches(dataset, indices)
+    test = data.test_batches(dataset, batch_size=2)
+    assert not train.options().autotune.enabled and not test.options().autotune.enabled
+    for (images, labels), rows in zip(train, indices):
+        np.testing.assert_allclose(images.numpy()[..., 0], arrays["x_train"][rows] / 255, rtol=1e-6)
+        np.testing.assert_array_equal(labels.numpy(), arrays["y_train"][rows])
+    test_labels = np.concatenate([labels.numpy() for _, labels in test])
+    np.testing.assert_array_equal(test_labels, arrays["y_test"])

@@ -3,6 +3,7 @@ import json
 import os
 import re
 import subprocess
+import types
 
 import numpy as np
 import pytest
@@ -22,6 +23,24 @@ def test_every_launcher_trains_and_ranks_end_identical(launcher, np_, tmp_path, 
     assert len(summary["weight_checksums"]) == np_ and len(set(summary["weight_checksums"])) == 1
     assert summary["images_per_second"] > 0 and summary["versions"]["horovod"] == "0.28.1"
     assert sum(line.startswith("Test accuracy") for line in output_lines(result.stdout)) == 1  # rank 0 alone
+
+
+def test_throughput_counts_the_training_steps_only(monkeypatch):
+    """Not the first step (it traces), nor evaluations, nor what happens after the last step."""
+    from hvd_sgd import train
+    now = [0.0]
+    monkeypatch.setattr(train.time, "perf_counter", lambda: now[0])
+    report = train._Report(types.SimpleNamespace(size=2, summary_writer=lambda log_dir: None),
+                           types.SimpleNamespace(batch_size=50, log_dir=None), lr=None, total_steps=3)
+    for step, seconds in [(1, 5.0), (2, 1.5)]:
+        now[0] += seconds
+        report.step_done(step)
+    with report.paused():
+        now[0] += 30.0  # an evaluation
+    now[0] += 0.5
+    report.step_done(3)
+    now[0] += 60.0  # tearing down the input pipeline, writing the model
+    assert report.images_per_second(3) == 2 * 100 / 2.0
 
 
 PLACEMENT = r"""
