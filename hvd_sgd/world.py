@@ -26,6 +26,7 @@ except ImportError as e:  # reported by start(), after the clearer version check
 _RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 _SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 _MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
+_LOCAL_SIZE_VARIABLES = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")  # else: all ranks on this node
 
 
 def launch_rank():
@@ -186,11 +187,7 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     # every cycle, so a rank waiting for a slower one spins on the cores its TensorFlow threads
     # need: yielding doubled CNN throughput on 2 ranks here (1928 vs 949 img/s, docs/benchmarks.md).
     os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    # Horovod negotiates once per cycle (1 ms by default): 0.1 ms doubled softmax throughput on
-    # 2 ranks (76.7k vs 37.2k img/s) and lifted 1-4 MiB all-reduce bandwidth by 50 %; CNN unchanged.
-    # A single rank negotiates nothing, and the faster cycle only costs it CPU.
-    if launch_size() > 1:
-        os.environ.setdefault("HOROVOD_CYCLE_TIME", "0.1")
+    os.environ.setdefault("HOROVOD_CYCLE_TIME", _cycle_time_ms())
     if hvd is None:
         raise JobError(f"Horovod's TensorFlow extension does not load ({_HOROVOD_IMPORT_ERROR}): "
                        f"rebuild it with run/setup")
@@ -208,16 +205,28 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
         device = f"GPU {gpu.name}"
     else:
         device = "CPU"
-    cpu_share = _cpu_share(bind_cpus)
-    threads = threads_per_rank or cpu_share
+    threads = threads_per_rank or _bind_to_cpu_share(bind_cpus)
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
     job_token = hvd.broadcast_object(secrets.token_hex(8) if hvd.rank() == 0 else None, root_rank=0)
     return World(device, threads, job_token)
 
 
-def _cpu_share(bind):
-    """The number of CPUs this rank may use; a rank the launcher left unbound is bound to its share.
+def _cycle_time_ms():
+    """Horovod's background thread sleeps for a cycle (1 ms by default) between negotiations, and
+    an all-reduce waits for the next one. With every rank on a core of its own, not sleeping at
+    all is fastest (docs/benchmarks.md): 1 MiB all-reduce 0.95-0.99 x raw MPI against 0.47-0.55
+    at 0.1 ms, softmax on 2 ranks +19-29 %, CNN +2 % (6 of 6 paired rounds). Where ranks outnumber
+    the cores, those threads would spin on the cores training needs (CNN, 4 ranks on 2 cores:
+    1718-2268 img/s against 2423-2458 at 0.1 ms): 0.1 ms there. One rank negotiates nothing."""
+    if launch_size() == 1:
+        return "1"  # Horovod's default
+    ranks_here = _announced(_LOCAL_SIZE_VARIABLES, launch_size())
+    return "0" if ranks_here <= (os.cpu_count() or 1) else "0.1"
+
+
+def _bind_to_cpu_share(bind):
+    """Bind this rank to its share of the CPUs unless its launcher did; how many CPUs it may use.
 
     mpirun binds each rank to its own core by default (up to 2 ranks), srun --cpu-bind too: such
     a mask, smaller than the machine, is kept. horovodrun passes ``-bind-to none``: local rank r
@@ -225,7 +234,8 @@ def _cpu_share(bind):
     background thread is already running). Left unbound, the OS at times put both ranks' busy
     threads on one core: softmax on 2 ranks ran at 64k or 130k img/s from one run to the next,
     bound at 140-159k every time (docs/benchmarks.md). A container limited to fewer CPUs than
-    the host looks bound too: its ranks are not rebound.
+    the host looks bound too: its ranks are not rebound. (Comparing the ranks' masks would tell,
+    but no collective can run here: TensorFlow's thread counts must be set before its first op.)
     """
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < (os.cpu_count() or len(cpus)):

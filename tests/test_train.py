@@ -49,7 +49,8 @@ from hvd_sgd import world
 w = world.start(bind_cpus=sys.argv[1] == "bind")
 threads = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
 sys.stdout.write("PLACEMENT " + json.dumps(dict(rank=w.rank, threads=w.threads, cpus=sorted(os.sched_getaffinity(0)),
-                                                same_for_all_threads=len(threads) == 1)) + "\n")  # one write per line
+                                                same_for_all_threads=len(threads) == 1,
+                                                cycle_ms=os.environ["HOROVOD_CYCLE_TIME"])) + "\n")  # one write per line
 """
 
 
@@ -62,11 +63,29 @@ def test_each_rank_gets_its_own_share_of_the_cores(launcher, bind, tmp_path):
     ranks = sorted(map(json.loads, re.findall(r"PLACEMENT (\{[^{}]*\})", result.stdout)), key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1]
     machine = sorted(os.sched_getaffinity(0))
+    assert all(r["cycle_ms"] == ("0" if len(machine) >= 2 else "0.1") for r in ranks), ranks
     if bind:
         assert set(ranks[0]["cpus"]).isdisjoint(ranks[1]["cpus"]), ranks
         assert all(r["same_for_all_threads"] and r["threads"] == len(r["cpus"]) >= 1 for r in ranks), ranks
     else:
         assert all(r["cpus"] == machine and r["threads"] == max(1, len(machine) // 2) for r in ranks), ranks
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, "1"),  # one rank: Horovod's default
+    ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, "0"),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, "0.1"),  # more ranks than cores
+    ({"HOROVOD_SIZE": "8", "HOROVOD_LOCAL_SIZE": "2"}, "0"),  # 2 per node on 4 nodes
+    ({"SLURM_NTASKS": "4"}, "0.1"),  # placement unknown: as if all on this node
+])
+def test_horovod_cycle_is_zero_while_every_rank_has_a_core(env, expected, monkeypatch):
+    from hvd_sgd import world
+    for name in {*world._SIZE_VARIABLES, *world._LOCAL_SIZE_VARIABLES}:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(world.os, "cpu_count", lambda: 2)
+    assert world._cycle_time_ms() == expected
 
 
 def train_and_save(tmp_path, name, launcher, np_, *args):
