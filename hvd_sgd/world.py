@@ -205,7 +205,8 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
         device = f"GPU {gpu.name}"
     else:
         device = "CPU"
-    threads = threads_per_rank or _bind_to_cpu_share(bind_cpus)
+    cpu_share = _bind_to_cpu_share(bind_cpus)  # binds, whatever --threads-per-rank says
+    threads = threads_per_rank or cpu_share
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
     job_token = hvd.broadcast_object(secrets.token_hex(8) if hvd.rank() == 0 else None, root_rank=0)

@@ -46,7 +46,7 @@ def test_throughput_counts_the_training_steps_only(monkeypatch):
 PLACEMENT = r"""
 import json, os, sys
 from hvd_sgd import world
-w = world.start(bind_cpus=sys.argv[1] == "bind")
+w = world.start(threads_per_rank=int(sys.argv[2]), bind_cpus=sys.argv[1] == "bind")
 threads = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
 sys.stdout.write("PLACEMENT " + json.dumps(dict(rank=w.rank, threads=w.threads, cpus=sorted(os.sched_getaffinity(0)),
                                                 same_for_all_threads=len(threads) == 1,
@@ -54,19 +54,20 @@ sys.stdout.write("PLACEMENT " + json.dumps(dict(rank=w.rank, threads=w.threads, 
 """
 
 
-@pytest.mark.parametrize("launcher,bind", [("horovodrun", True), ("horovodrun", False), ("mpirun", True)])
-def test_each_rank_gets_its_own_share_of_the_cores(launcher, bind, tmp_path):
+@pytest.mark.parametrize("launcher,bind,threads", [("horovodrun", True, 0), ("horovodrun", True, 1),
+                                                  ("horovodrun", False, 0), ("mpirun", True, 0)])
+def test_each_rank_gets_its_own_share_of_the_cores(launcher, bind, threads, tmp_path):
     """horovodrun leaves ranks unbound: hvd_sgd binds each (all its threads) to its own slice,
-    unless --no-bind-cpus; mpirun's own binding is kept."""
+    unless --no-bind-cpus, whatever --threads-per-rank says; mpirun's own binding is kept."""
     (tmp_path / "placement.py").write_text(PLACEMENT)
-    result = succeeded(launch(launcher, 2, "bind" if bind else "no", module="placement", env={"PYTHONPATH": str(tmp_path)}))
+    result = succeeded(launch(launcher, 2, "bind" if bind else "no", threads, module="placement", env={"PYTHONPATH": str(tmp_path)}))
     ranks = sorted(map(json.loads, re.findall(r"PLACEMENT (\{[^{}]*\})", result.stdout)), key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1]
     machine = sorted(os.sched_getaffinity(0))
     assert all(r["cycle_ms"] == ("0" if len(machine) >= 2 else "0.1") for r in ranks), ranks
     if bind:
         assert set(ranks[0]["cpus"]).isdisjoint(ranks[1]["cpus"]), ranks
-        assert all(r["same_for_all_threads"] and r["threads"] == len(r["cpus"]) >= 1 for r in ranks), ranks
+        assert all(r["same_for_all_threads"] and r["threads"] == (threads or len(r["cpus"])) >= 1 for r in ranks), ranks
     else:
         assert all(r["cpus"] == machine and r["threads"] == max(1, len(machine) // 2) for r in ranks), ranks
 
