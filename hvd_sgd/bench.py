@@ -191,15 +191,19 @@ def paired(contenders, rounds):
     This machine's speed drifts by 20 % over minutes, so one pair of runs can mislead: the row
     holds each contender's median and the median of the per-round ratios (first / second), each
     ratio taken from two runs seconds apart."""
-    (first, measure_first), (second, measure_second) = contenders.items()
+    first, second = contenders
     runs = {first: [], second: []}
     for i in range(rounds):
-        order = [(first, measure_first), (second, measure_second)]
-        for name, measure in order if i % 2 == 0 else order[::-1]:
-            runs[name].append(measure())
+        for name in (first, second) if i % 2 == 0 else (second, first):
+            runs[name].append(contenders[name]())
     ratios = [a / b for a, b in zip(runs[first], runs[second])]
     return {first: statistics.median(runs[first]), second: statistics.median(runs[second]),
             "ratio": statistics.median(ratios), "rounds": dict(runs, ratio=ratios)}
+
+
+def _contenders(row):
+    """The two contenders' names in a row made by ``paired``."""
+    return [k for k in row if k not in ("ratio", "rounds")]
 
 
 def verdicts(results):
@@ -244,7 +248,7 @@ def write_report(results, directory):
             if len(rows) == 2:
                 md.append(f"\nSpeed-up np2 over np1: {rows['np1']['seconds'] / rows['np2']['seconds']:.2f}x")
         else:
-            keys = [k for k in next(iter(rows.values())) if k not in ("ratio", "rounds")]
+            keys = _contenders(next(iter(rows.values())))
             md += [f"| model | {' img/s | '.join(keys)} img/s | ratio | per-round ratios |",
                    "| --- |" + " --- |" * (len(keys) + 2)]
             md += [f"| {m} | {' | '.join(f'{r[k]:.0f}' for k in keys)} | {r['ratio']:.2f} | "
@@ -272,7 +276,7 @@ def _plot(results, directory):
             continue
         fig, axes = plt.subplots(1, len(rows), figsize=(4.5 * len(rows), 3.5))
         for ax, (model, row) in zip(list(getattr(axes, "flat", [axes])), rows.items()):
-            keys = [k for k in row if k not in ("ratio", "rounds")]
+            keys = _contenders(row)
             ax.bar(keys, [row[k] for k in keys], color=["tab:blue", "tab:gray"])
             ax.set_title(f"{suite}: {model} (ratio {row['ratio']:.2f})")
             ax.set_ylabel("images / second")
