@@ -114,11 +114,15 @@ def rank_process(launcher, rank):
 def start_and_wait_for(launcher_name, args, ready, timeout=120):
     """Start a 2-rank run in the background; return it once ``ready()`` is true."""
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(launch_command(launcher_name, 2, "hvd_sgd.train", args), cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return start_and_wait(launch_command(launcher_name, 2, "hvd_sgd.train", args), env, ready, timeout)
+
+
+def start_and_wait(command, env, ready, timeout):
+    process = subprocess.Popen(list(map(str, command)), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + timeout
     while not ready():
-        assert process.poll() is None, process.communicate()
+        assert process.poll() is None, ("the run ended before it got ready", process.communicate())
         assert time.monotonic() < deadline, "the run never got ready"
         time.sleep(0.2)
     return process
@@ -133,8 +137,14 @@ def ended_within(process, seconds):
         pytest.fail(f"the job did not end within {seconds} s")
 
 
+LONG_STEPS = 2000  # 32 steps an epoch, ~2 ms a step: seconds of run left after the first checkpoints
 LONG_RUN = ["--model", "mlp", "--train-examples", 16384, "--test-examples", 500, "--batch-size", 256,
-            "--max-steps", 800, "--log-every-steps", 10, "--checkpoint-every-steps", 50]
+            "--epochs", 100, "--max-steps", LONG_STEPS, "--log-every-steps", 10, "--checkpoint-every-steps", 50]
+
+
+def checkpoint_from_step(directory, step):
+    """Whether a checkpoint of ``step`` or later is there (older ones are rotated away, so wait for any)."""
+    return lambda: any(int(index.name[len("ckpt-"):-len(".index")]) >= step for index in directory.glob("ckpt-*.index"))
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +157,7 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
 def test_killed_rank_ends_the_job_and_resume_loses_at_most_one_interval(launcher, uninterrupted, tmp_path):
     checkpoints = tmp_path / "ckpt"
-    run = start_and_wait_for(launcher, [*LONG_RUN, "--checkpoint-dir", checkpoints],
-                             lambda: (checkpoints / "ckpt-100.index").exists())
+    run = start_and_wait_for(launcher, [*LONG_RUN, "--checkpoint-dir", checkpoints], checkpoint_from_step(checkpoints, 100))
     psutil_run = psutil.Process(run.pid)
     victim = rank_process(psutil_run, 1)
     victim.send_signal(signal.SIGKILL)
@@ -156,7 +165,7 @@ def test_killed_rank_ends_the_job_and_resume_loses_at_most_one_interval(launcher
     status, stdout, stderr = ended_within(run, 60)
     assert status != 0 and time.monotonic() - killed_at < 60
     last_logged = max(int(line.split()[1].split("/")[0]) for line in output_lines(stdout) if line.startswith("step "))
-    assert last_logged < 800, "the run finished before the kill"
+    assert last_logged < LONG_STEPS, "the run finished before the kill"
 
     model = tmp_path / "resumed.keras"
     resumed = succeeded(launch(launcher, 2, *LONG_RUN, "--checkpoint-dir", checkpoints, "--resume", "--save-model", model))
@@ -170,7 +179,7 @@ def test_stalled_rank_ends_the_job_naming_it(tmp_path):
     checkpoints = tmp_path / "ckpt"
     run = start_and_wait_for("mpirun", [*LONG_RUN, "--max-steps", 100000, "--stall-timeout", 8,
                                         "--checkpoint-dir", checkpoints],
-                             lambda: (checkpoints / "ckpt-100.index").exists())
+                             checkpoint_from_step(checkpoints, 100))
     rank_process(psutil.Process(run.pid), 1).send_signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
     status, stdout, stderr = ended_within(run, 60)
@@ -236,12 +245,7 @@ def test_elastic_training_survives_a_lost_worker(tmp_path):
                "--host-discovery-script", str(ROOT / "run" / "discover-hosts"),
                PYTHON, "-m", "hvd_sgd.train", "--elastic", *map(str, ELASTIC_RUN),
                "--checkpoint-dir", str(checkpoints), "--metrics-file", str(metrics)]
-    run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not (checkpoints / "ckpt-60.index").exists():
-        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
-        time.sleep(0.2)
+    run = start_and_wait(command, env, checkpoint_from_step(checkpoints, 60), timeout=120)
     rank_process(psutil.Process(run.pid), 2).send_signal(signal.SIGKILL)
     status, stdout, stderr = ended_within(run, 240)
     assert status == 0, stderr[-3000:]
