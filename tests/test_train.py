@@ -47,7 +47,12 @@ PLACEMENT = r"""
 import json, os, sys
 from hvd_sgd import world
 w = world.start(threads_per_rank=int(sys.argv[2]), bind_cpus=sys.argv[1] == "bind")
-threads = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+def affinity(thread):
+    try:
+        return tuple(sorted(os.sched_getaffinity(int(thread))))
+    except ProcessLookupError:  # the thread ended since the listing
+        return None
+threads = {affinity(t) for t in os.listdir("/proc/self/task")} - {None}
 sys.stdout.write("PLACEMENT " + json.dumps(dict(rank=w.rank, threads=w.threads, cpus=sorted(os.sched_getaffinity(0)),
                                                 same_for_all_threads=len(threads) == 1,
                                                 cycle_ms=os.environ["HOROVOD_CYCLE_TIME"])) + "\n")  # one write per line
