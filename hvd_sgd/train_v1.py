@@ -11,28 +11,33 @@ hvd.DistributedOptimizer replaces SyncReplicasOptimizer (each step applies the m
 replicas' gradients once), hvd.BroadcastGlobalVariablesHook(0) replaces the chief's
 initialisation, and there are no parameter servers: mpirun or horovodrun starts the workers.
 """
-import os
 import time
 
 import numpy as np
 import tensorflow as tf
 
-from hvd_sgd import config, data, world
+from hvd_sgd import batches, checkpoint, config, datasets, files, startup
 
 tf1 = tf.compat.v1
 
 
 def main(argv=None):
-    cfg = config.parse(config.TrainV1Config, argv, __doc__, speaks=world.launch_rank() == 0)
-    w = world.start()
+    cfg = config.parse(config.TrainV1Config, argv, __doc__, speaks=startup.launch_rank() == 0)
+    w = startup.start()
     import horovod.tensorflow as hvd
     tf.get_logger().setLevel("ERROR")  # this program is the deprecated API: no deprecation warnings
 
     with w.agreement():
-        dataset = data.load(cfg.dataset, cfg.data_dir)
-        batches = data.rank_batch_indices(len(dataset.x_train), cfg.batch_size, w.size, w.rank, cfg.seed, 0, cfg.steps)
-        w.check_writable(cfg.metrics_file, cfg.checkpoint_dir and os.path.join(cfg.checkpoint_dir, "checkpoint"))
-    images, labels = _flat(dataset.x_train), _one_hot(dataset.y_train)
+        splits = datasets.load(cfg.dataset, cfg.data_dir)
+        n = len(splits.x_train)
+        rank_batches = batches.rank_batch_indices(n, cfg.batch_size, w.size, w.rank, cfg.seed, 0, cfg.steps,
+                                                  batches.steps_per_epoch(n, cfg.batch_size, w.size))
+        if w.is_chief:  # rank 0 writes the files: find out now if it cannot; one run per checkpoint directory
+            if cfg.metrics_file:
+                files.check_writable(files.parent(cfg.metrics_file), f"--metrics-file {cfg.metrics_file}")
+            if cfg.checkpoint_dir:
+                checkpoint.lock_directory(cfg.checkpoint_dir, f"--checkpoint-dir {cfg.checkpoint_dir}")
+    images, labels = _flat(splits.x_train), _one_hot(splits.y_train)
 
     # The set-up above ran eagerly (Horovod's checks need it); the TF1 program builds a graph.
     with tf.Graph().as_default():
@@ -55,7 +60,7 @@ def main(argv=None):
         start = _RunAfterCreation(global_step)  # after the broadcast: the step every rank resumes at
         hooks = [hvd.BroadcastGlobalVariablesHook(0), start, tf1.train.StopAtStepHook(last_step=cfg.steps)]
         if w.is_chief:  # as in the original program, the chief evaluates and reports
-            test_accuracy = _RunAtEnd(accuracy, {x: _flat(dataset.x_test), y_: _one_hot(dataset.y_test)})
+            test_accuracy = _RunAtEnd(accuracy, {x: _flat(splits.x_test), y_: _one_hot(splits.y_test)})
             hooks.append(test_accuracy)
         session_config = tf1.ConfigProto(intra_op_parallelism_threads=w.threads,
                                          inter_op_parallelism_threads=min(2, w.threads))
@@ -65,15 +70,16 @@ def main(argv=None):
                                                hooks=hooks, config=session_config) as mon_sess:
             first_step = step = start.value  # 0, or where the last checkpoint left off
             while not mon_sess.should_stop():
-                batch = batches[step]  # this rank's slice of global batch number `step`
+                batch = rank_batches[step]  # this rank's slice of global batch number `step`
                 mon_sess.run(train_op, feed_dict={x: images[batch], y_: labels[batch]})
                 step += 1
     seconds = time.perf_counter() - started
-    if w.is_chief:
-        w.write_json(cfg.metrics_file, dict(
-            test_accuracy=float(test_accuracy.value), steps=int(step), resumed_from_step=int(first_step),
-            world_size=w.size, per_rank_batch=cfg.batch_size, learning_rate=cfg.lr, wall_seconds=seconds,
-            images_per_second=(step - first_step) * cfg.batch_size * w.size / seconds))
+    if w.is_chief:  # as in the original program, the chief reports; it alone writes the summary
+        if cfg.metrics_file:
+            files.write_json(cfg.metrics_file, dict(
+                test_accuracy=float(test_accuracy.value), steps=int(step), resumed_from_step=int(first_step),
+                world_size=w.size, per_rank_batch=cfg.batch_size, learning_rate=cfg.lr, wall_seconds=seconds,
+                images_per_second=(step - first_step) * cfg.batch_size * w.size / seconds))
         w.log(f"Test accuracy: {test_accuracy.value:.4f}")
 
 
@@ -102,11 +108,11 @@ def _flat(images):
 
 
 def _one_hot(labels):
-    return np.eye(data.NUM_CLASSES, dtype=np.float32)[labels]
+    return np.eye(datasets.NUM_CLASSES, dtype=np.float32)[labels]
 
 
 def cli():
-    world.main_guard(main, "hvd_sgd.train_v1")
+    startup.main_guard(main, "hvd_sgd.train_v1")
 
 
 if __name__ == "__main__":

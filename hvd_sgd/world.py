@@ -1,84 +1,16 @@
-"""Who does what: Horovod start-up, device pinning, and the rank roles.
+"""The rank roles: who this rank is, and what every rank does together.
 
-Rank 0 is the chief: it alone logs, writes files and evaluates. Every other module asks this
-one (``world.is_chief``, ``world.log``) instead of testing ``hvd.rank()`` itself.
+Rank 0 is the chief. What only it does (evaluate, log, write files) is written where it happens,
+as ``if world.is_chief:``; this module holds the collectives that keep the ranks in step.
 """
 import contextlib
 import dataclasses
-import importlib.metadata
-import importlib.util
-import json
-import os
-import secrets
 import sys
 import zlib
 
-import tensorflow as tf
+import horovod.tensorflow as hvd
 
 from hvd_sgd import JobError
-
-try:
-    import horovod.tensorflow as hvd
-except ImportError as e:  # reported by start(), after the clearer version checks
-    hvd, _HOROVOD_IMPORT_ERROR = None, e
-
-# Set by the launchers before our process starts: Horovod's Gloo launcher, Open MPI, PMIx (srun --mpi=pmix), PMI.
-_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-_SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
-_MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
-_LOCAL_SIZE_VARIABLES = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")  # else: all ranks on this node
-
-
-def launch_rank():
-    """This process's rank as the launcher announced it, usable before Horovod starts."""
-    return _announced(_RANK_VARIABLES, 0)
-
-
-def launch_size():
-    """The number of ranks as the launcher announced it (1 when started without one)."""
-    return _announced(_SIZE_VARIABLES, 1)
-
-
-def _announced(variables, default):
-    return next((int(os.environ[v]) for v in variables if v in os.environ), default)
-
-
-def launched_by_mpi():
-    return "HOROVOD_RANK" not in os.environ and any(v in os.environ for v in _MPI_VARIABLES)
-
-
-def main_guard(main, prog):
-    """Run ``main``; a JobError becomes one line on stderr from the first rank and exit status 1 on all.
-
-    So does Horovod's own shutdown when another rank failed: the launcher names that rank, and the
-    survivors need not add a traceback each.
-    """
-    try:
-        main()
-    except Exception as e:
-        if not isinstance(e, JobError) and "Horovod has been shut down" not in str(e):
-            raise
-        if launch_rank() == 0:
-            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            print(f"{prog}: error: {first_line}", file=sys.stderr, flush=True)
-        sys.exit(1)
-
-
-def check_versions():
-    """Stop early when Horovod cannot average gradients correctly with this TensorFlow/Keras."""
-    keras_package = "tf_keras" if os.environ.get("TF_USE_LEGACY_KERAS") == "1" else "keras"
-    keras_version = importlib.metadata.version(keras_package)
-    if int(keras_version.split(".")[0]) >= 3:
-        raise JobError(f"Keras {keras_version} is installed: Horovod 0.28.1's DistributedOptimizer does not "
-                       f"average gradients under Keras 3; install tensorflow-cpu==2.15.1 (Keras 2) with run/setup")
-    spec = importlib.util.find_spec("horovod")
-    if spec is None:
-        raise JobError("Horovod is not installed: run run/setup")
-    with open(os.path.join(spec.submodule_search_locations[0], "metadata.json")) as f:
-        built_against = json.load(f).get("tensorflow")
-    if built_against != tf.__version__:
-        raise JobError(f"Horovod was built against TensorFlow {built_against} but TensorFlow {tf.__version__} "
-                       f"is installed: rebuild Horovod (run/setup) or reinstall TensorFlow {built_against}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +34,8 @@ class World:
         return self.rank == 0
 
     def log(self, message):
-        if self.is_chief:  # one write per line: launchers that tag output tag each write
+        """Progress lines come from the chief alone (one write per line: launchers tag each write)."""
+        if self.is_chief:
             sys.stdout.write(f"{message}\n")
             sys.stdout.flush()
 
@@ -128,41 +61,6 @@ class World:
         result = model.evaluate(test_batches, verbose=0, return_dict=True) if self.is_chief else None
         return hvd.broadcast_object(result, root_rank=0)
 
-    def summary_writer(self, log_dir):
-        """TensorBoard writer on rank 0; a writer that writes nothing elsewhere."""
-        if self.is_chief and log_dir:
-            return tf.summary.create_file_writer(log_dir)
-        return tf.summary.create_noop_writer()
-
-    def check_writable(self, *paths):
-        """Fail before training, not after it, when rank 0 could not write its outputs."""
-        for path in filter(None, paths if self.is_chief else ()):
-            parent = os.path.dirname(os.path.abspath(path))
-            try:
-                os.makedirs(parent, exist_ok=True)
-            except OSError as e:
-                raise JobError(f"{path}: cannot create {parent}: {e.strerror}") from None
-            if not os.access(parent, os.W_OK):
-                raise JobError(f"{path}: {parent} is not writable")
-
-    def save_model(self, model, path):
-        """Keras format, compiled with the loss and accuracy but not Horovod's optimizer, so that
-        plain TensorFlow loads and evaluates it without Horovod or hvd_sgd."""
-        if self.is_chief and path:
-            export = tf.keras.models.clone_model(model)
-            export.set_weights(model.get_weights())
-            export.compile(optimizer=tf.keras.optimizers.SGD(), loss=model.loss, metrics=["accuracy"])
-            export.optimizer.build(export.trainable_variables)  # saved as built: loads without warnings
-            export.save(path)
-            self.log(f"Model saved to {path}")
-
-    def write_json(self, path, record):
-        if self.is_chief and path:
-            tmp = f"{path}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(record, f, indent=2)
-            os.replace(tmp, path)
-
     def check_identical(self, variables, when):
         """All ranks must hold bit-identical weights; anything else means training has forked."""
         digest = 0
@@ -172,79 +70,3 @@ class World:
         if len(set(digests)) != 1:
             raise JobError(f"ranks hold different weights {when} (checksums {digests})")
         return digests
-
-
-def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
-    """hvd.init, then pin this rank to one GPU (by local rank) and to its share of the CPU cores.
-
-    Horovod's stall check is set to shut the job down, not only warn, after ``stall_timeout``
-    seconds in which the ranks submitted different collectives (the user's environment wins).
-    """
-    check_versions()
-    os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, int(stall_timeout) // 2)))
-    os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(1, int(stall_timeout))))
-    # Open MPI busy-polls inside MPI calls. Horovod's background thread negotiates through MPI
-    # every cycle, so a rank waiting for a slower one spins on the cores its TensorFlow threads
-    # need: yielding doubled CNN throughput on 2 ranks here (1928 vs 949 img/s, docs/benchmarks.md).
-    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    os.environ.setdefault("HOROVOD_CYCLE_TIME", _cycle_time_ms())
-    if hvd is None:
-        raise JobError(f"Horovod's TensorFlow extension does not load ({_HOROVOD_IMPORT_ERROR}): "
-                       f"rebuild it with run/setup")
-    if launched_by_mpi():
-        from mpi4py import MPI
-        hvd.init(comm=MPI.COMM_WORLD)
-    else:
-        hvd.init()
-
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        gpu = gpus[hvd.local_rank() % len(gpus)]
-        tf.config.experimental.set_memory_growth(gpu, True)
-        tf.config.set_visible_devices(gpu, "GPU")
-        device = f"GPU {gpu.name}"
-    else:
-        device = "CPU"
-    cpu_share = _bind_to_cpu_share(bind_cpus)  # binds, whatever --threads-per-rank says
-    threads = threads_per_rank or cpu_share
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
-    job_token = hvd.broadcast_object(secrets.token_hex(8) if hvd.rank() == 0 else None, root_rank=0)
-    return World(device, threads, job_token)
-
-
-def _cycle_time_ms():
-    """Horovod's background thread sleeps for a cycle (1 ms by default) between negotiations, and
-    an all-reduce waits for the next one. With every rank on a core of its own, not sleeping at
-    all is fastest (docs/benchmarks.md): 1 MiB all-reduce 0.95-0.99 x raw MPI against 0.47-0.55
-    at 0.1 ms, softmax on 2 ranks +19-29 %, CNN +2 % (6 of 6 paired rounds). Where ranks outnumber
-    the cores, those threads would spin on the cores training needs (CNN, 4 ranks on 2 cores:
-    1718-2268 img/s against 2423-2458 at 0.1 ms): 0.1 ms there. One rank negotiates nothing."""
-    if launch_size() == 1:
-        return "1"  # Horovod's default
-    ranks_here = _announced(_LOCAL_SIZE_VARIABLES, launch_size())
-    return "0" if ranks_here <= (os.cpu_count() or 1) else "0.1"
-
-
-def _bind_to_cpu_share(bind):
-    """Bind this rank to its share of the CPUs unless its launcher did; how many CPUs it may use.
-
-    mpirun binds each rank to its own core by default (up to 2 ranks), srun --cpu-bind too: such
-    a mask, smaller than the machine, is kept. horovodrun passes ``-bind-to none``: local rank r
-    is then bound to the r-th equal slice of the CPUs, all its threads included (Horovod's
-    background thread is already running). Left unbound, the OS at times put both ranks' busy
-    threads on one core: softmax on 2 ranks ran at 64k or 130k img/s from one run to the next,
-    bound at 140-159k every time (docs/benchmarks.md). A container limited to fewer CPUs than
-    the host looks bound too: its ranks are not rebound. (Comparing the ranks' masks would tell,
-    but no collective can run here: TensorFlow's thread counts must be set before its first op.)
-    """
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < (os.cpu_count() or len(cpus)):
-        return len(cpus)  # bound by the launcher
-    share = len(cpus) // hvd.local_size()
-    if bind and hvd.local_size() > 1 and share > 0:
-        own = cpus[hvd.local_rank() * share:(hvd.local_rank() + 1) * share]
-        for thread in os.listdir("/proc/self/task"):
-            with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
-                os.sched_setaffinity(int(thread), own)
-    return max(1, share)

@@ -28,9 +28,12 @@ def test_defaults_work_and_flags_are_typed():
     (["--backward-passes-per-step", "0"], "--backward-passes-per-step must be at least 1"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--model", "resnet"], "invalid choice: 'resnet'"),
+    (["--model", "mymodels:"], "invalid choice: 'mymodels:'"),
     (["--dataset", "cifar"], "invalid choice: 'cifar'"),
     (["--batch-size", "many"], "invalid int value: 'many'"),
     (["--data-dir", "/no/such/dir"], "no such directory"),
+    (["--data-dir", "/no/such/file.npz"], "no such directory or .npz file"),
+    (["--stall-timeout", "inf"], "--stall-timeout must be a positive number"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_values_are_one_line_errors(argv, message):
@@ -48,3 +51,15 @@ def test_help_explains_every_flag(capsys):
         flag = field.metadata["flag"] or "--" + field.name.replace("_", "-")
         assert flag in text
 
+
+
+def test_a_users_model_is_named_by_module_and_function():
+    assert parse("--model", "my_package.models:build").model == "my_package.models:build"
+
+
+def test_a_negated_flag_says_what_it_turns_off(capsys):
+    with pytest.raises(SystemExit):
+        parse("--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--no-lr-scaling turn off the linear scaling rule" in text
+    assert "--no-bind-cpus turn off binding each rank" in text

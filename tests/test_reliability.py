@@ -6,14 +6,14 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 
-from conftest import PYTHON, ROOT, launch, launch_command, output_lines, read_json, saved_weights, succeeded
-from test_data import write_dataset, write_idx
+from conftest import (PYTHON, ROOT, assert_same_weights, error_lines, launch, output_lines, rank_exits, read_json,
+                      saved_weights, succeeded, write_dataset, write_idx)
+from hvd_sgd import launchers
 
 
 # --- bad input ---------------------------------------------------------------------------
@@ -50,26 +50,37 @@ def existing_checkpoints_without_resume(tmp_path):
     return ["--checkpoint-dir", tmp_path / "ckpt"]
 
 
+def damaged_idx(file, array, **damage):
+    """A dataset directory whose ``file`` holds ``array`` (with the given damage)."""
+    return lambda tmp_path: idx_dir(tmp_path, lambda d: write_idx(d / file, array, **damage))
+
+
+def flags(*args):
+    return lambda tmp_path: list(args)
+
+
 BAD_INPUT = {
     "missing data directory": (lambda t: ["--data-dir", t / "nowhere"], "no such directory"),
-    "truncated IDX file": (lambda t: idx_dir(t, lambda d: write_idx(d / IMAGES, np.zeros((256, 4, 4)), cut=100)), "truncated"),
-    "wrong IDX magic": (lambda t: idx_dir(t, lambda d: write_idx(d / IMAGES, np.zeros((256, 4, 4)), magic=b"PK\3\4")), "bad magic number"),
-    "image/label count mismatch": (lambda t: idx_dir(t, lambda d: write_idx(d / LABELS, np.zeros(255))), "256 images but 255 labels"),
-    "label out of range": (lambda t: idx_dir(t, lambda d: write_idx(d / LABELS, np.full(256, 12))), "label 12 is out of range"),
-    "batch size 0": (lambda t: ["--batch-size", 0], "--batch-size must be at least 1"),
-    "negative batch size": (lambda t: ["--batch-size", -4], "--batch-size must be at least 1"),
-    "batch larger than a shard": (lambda t: ["--train-examples", 256, "--batch-size", 200], "larger than a rank's shard"),
-    "more ranks than examples": (lambda t: ["--train-examples", 1], "2 ranks but only 1 training examples"),
-    "unknown model": (lambda t: ["--model", "resnet50"], "invalid choice: 'resnet50'"),
-    "unknown dataset": (lambda t: ["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
-    "epochs 0": (lambda t: ["--epochs", 0], "--epochs must be at least 1"),
-    "negative learning rate": (lambda t: ["--lr", -0.1], "--lr must be a positive number"),
+    "truncated IDX file": (damaged_idx(IMAGES, np.zeros((256, 4, 4)), cut=100), "truncated"),
+    "wrong IDX magic": (damaged_idx(IMAGES, np.zeros((256, 4, 4)), magic=b"PK\3\4"), "bad magic number"),
+    "image/label count mismatch": (damaged_idx(LABELS, np.zeros(255)), "256 images but 255 labels"),
+    "label out of range": (damaged_idx(LABELS, np.full(256, 12)), "label 12 is out of range"),
+    "batch size 0": (flags("--batch-size", 0), "--batch-size must be at least 1"),
+    "negative batch size": (flags("--batch-size", -4), "--batch-size must be at least 1"),
+    "batch larger than a shard": (flags("--train-examples", 256, "--batch-size", 200), "larger than a rank's shard"),
+    "more ranks than examples": (flags("--train-examples", 1), "2 ranks but only 1 training examples"),
+    "unknown model": (flags("--model", "resnet50"), "invalid choice: 'resnet50'"),
+    "unknown dataset": (flags("--dataset", "imagenet"), "invalid choice: 'imagenet'"),
+    "epochs 0": (flags("--epochs", 0), "--epochs must be at least 1"),
+    "negative learning rate": (flags("--lr", -0.1), "--lr must be a positive number"),
     "resume with another model's checkpoint": (checkpoint_of_another_model, "does not fit this model"),
     "resume with no checkpoint": (lambda t: ["--checkpoint-dir", t / "empty", "--resume"], "no readable checkpoint"),
     "checkpoint index pointing outside the directory": (checkpoint_index_pointing_outside, "no readable checkpoint"),
     "checkpoints there but no --resume": (existing_checkpoints_without_resume, "already holds checkpoints"),
-    "checkpoint dir not writable": (lambda t: ["--checkpoint-dir", "/proc/hvd_sgd"], "rank 0: --checkpoint-dir /proc/hvd_sgd is not writable"),
-    "model path not writable": (lambda t: ["--save-model", "/proc/hvd_sgd/m.keras"], "rank 0: /proc/hvd_sgd/m.keras: cannot create"),
+    "checkpoint dir not writable": (flags("--checkpoint-dir", "/proc/hvd_sgd"),
+                                    "rank 0: --checkpoint-dir /proc/hvd_sgd: cannot create"),
+    "model path not writable": (flags("--save-model", "/proc/hvd_sgd/m.keras"),
+                                "rank 0: --save-model /proc/hvd_sgd/m.keras: cannot create"),
 }
 
 
@@ -81,18 +92,13 @@ def test_bad_input(case, tmp_path):
     outputs = {flag: path for flag, path in outputs.items() if flag not in map(str, args)}
     exits = tmp_path / "exits"
     exits.mkdir()
-    # mpirun must not kill the other rank when the first fails: each rank's own exit status is checked.
-    rank_wrapper = f'"$@"; status=$?; echo $status > {exits}/rank-$OMPI_COMM_WORLD_RANK; exit $status'
-    command = ["mpirun", "-np", "2", "--oversubscribe", "--mca", "orte_abort_on_non_zero_status", "0",
-               "sh", "-c", rank_wrapper, "sh", PYTHON, "-m", "hvd_sgd.train", "--model", "softmax",
-               "--max-steps", 3, *args, *[x for pair in outputs.items() for x in pair]]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    result = subprocess.run(list(map(str, command)), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    result = launch("mpirun", 2, "--model", "softmax", "--max-steps", 3, *args,
+                    *[x for pair in outputs.items() for x in pair], exits_dir=exits, timeout=120)
     errors = [line for line in output_lines(result.stderr) if "error:" in line]
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
     assert errors[0].startswith("hvd_sgd.train: error: ")
     assert "Traceback" not in result.stdout + result.stderr
-    statuses = sorted(int(p.read_text()) for p in exits.iterdir())
+    statuses = rank_exits(exits)
     assert len(statuses) == 2 and all(statuses), statuses
     for path in outputs.values():
         assert not path.exists(), f"{path} was written"
@@ -113,12 +119,11 @@ def rank_process(launcher, rank):
 
 def start_and_wait_for(launcher_name, args, ready, timeout=120):
     """Start a 2-rank run in the background; return it once ``ready()`` is true."""
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
-    return start_and_wait(launch_command(launcher_name, 2, "hvd_sgd.train", args), env, ready, timeout)
+    return start_and_wait(launchers.command(launcher_name, 2, "hvd_sgd.train", args), ready, timeout)
 
 
-def start_and_wait(command, env, ready, timeout):
-    process = subprocess.Popen(list(map(str, command)), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+def start_and_wait(command, ready, timeout, env=None):
+    process = subprocess.Popen(list(map(str, command)), cwd=ROOT, env=env or launchers.environment(), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + timeout
     while not ready():
@@ -171,8 +176,7 @@ def test_killed_rank_ends_the_job_and_resume_loses_at_most_one_interval(launcher
     resumed = succeeded(launch(launcher, 2, *LONG_RUN, "--checkpoint-dir", checkpoints, "--resume", "--save-model", model))
     resumed_from = int(next(line for line in output_lines(resumed.stdout) if line.startswith("Resuming from")).rsplit("-", 1)[1])
     assert resumed_from >= last_logged - 50 - 10  # at most one checkpoint interval (and one log interval) lost
-    for a, b in zip(uninterrupted, saved_weights(model), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_same_weights(uninterrupted, saved_weights(model))
 
 
 def test_stalled_rank_ends_the_job_naming_it(tmp_path):
@@ -207,8 +211,7 @@ def test_damaged_latest_checkpoint_is_reported_and_the_previous_one_used(tmp_pat
     lines = output_lines(result.stdout)
     assert sum("Skipping damaged checkpoint" in line and "ckpt-40" in line for line in lines) == 1
     assert any(line.startswith("Resuming from") and line.endswith("ckpt-20") for line in lines)
-    for a, b in zip(saved_weights(straight), saved_weights(resumed), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_same_weights(saved_weights(straight), saved_weights(resumed))
 
 
 def test_divergence_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -218,7 +221,7 @@ def test_divergence_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
                     "--checkpoint-dir", checkpoints, "--checkpoint-every-steps", 1, "--log-every-steps", 1,
                     "--metrics-file", metrics)
     assert result.returncode != 0
-    errors = [line for line in output_lines(result.stderr) if "error:" in line]
+    errors = error_lines(result)
     assert len(errors) == 1 and "training diverged" in errors[0], result.stderr[-2000:]
     assert not metrics.exists()
     for path in tf.train.get_checkpoint_state(str(checkpoints)).all_model_checkpoint_paths:
@@ -235,17 +238,19 @@ ELASTIC_RUN = ["--model", "mlp", "--train-examples", 8192, "--test-examples", 10
                "--epochs", 4, "--threads-per-rank", 1, "--log-every-steps", 20, "--checkpoint-every-steps", 20]
 
 
-def test_elastic_training_survives_a_lost_worker(tmp_path):
-    """3 workers on three names of this machine (run/discover-hosts); one is killed mid-run."""
+def test_elastic_training_survives_a_lost_worker_and_keeps_its_epochs(tmp_path):
+    """3 workers on three names of this machine (run/discover-hosts); one is killed mid-run.
+
+    An epoch stays the 85 steps it was on 3 workers (8192 // 96): epoch ends, the schedule (cosine
+    to 0 at 4 epochs), the logs and the metrics file all count those steps after the job shrinks."""
     normal = tmp_path / "normal.json"
     succeeded(launch("mpirun", 3, *ELASTIC_RUN, "--metrics-file", normal))
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "elastic.json"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    command = [str(Path(PYTHON).parent / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
-               "--host-discovery-script", str(ROOT / "run" / "discover-hosts"),
-               PYTHON, "-m", "hvd_sgd.train", "--elastic", *map(str, ELASTIC_RUN),
-               "--checkpoint-dir", str(checkpoints), "--metrics-file", str(metrics)]
-    run = start_and_wait(command, env, checkpoint_from_step(checkpoints, 60), timeout=120)
+    command = [launchers.venv_bin("horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
+               "--host-discovery-script", ROOT / "run" / "discover-hosts",
+               PYTHON, "-m", "hvd_sgd.train", "--elastic", *ELASTIC_RUN,
+               "--checkpoint-dir", checkpoints, "--metrics-file", metrics]
+    run = start_and_wait(command, checkpoint_from_step(checkpoints, 60), timeout=120)
     rank_process(psutil.Process(run.pid), 2).send_signal(signal.SIGKILL)
     status, stdout, stderr = ended_within(run, 240)
     assert status == 0, stderr[-3000:]
@@ -253,5 +258,76 @@ def test_elastic_training_survives_a_lost_worker(tmp_path):
     restart = next(line for line in lines if "elastic (re)start" in line and "with 2 rank(s)" in line)
     assert int(restart.split("at step ")[1].split()[0]) >= 60 - 10  # at most one commit interval lost
     summary, reference = read_json(metrics), read_json(normal)
-    assert summary["world_size"] == 2 and summary["steps"] == reference["steps"] == 4 * (8192 // 96)
+    assert summary["world_size"] == 2 and summary["steps"] == reference["steps"] == 4 * 85
+    assert summary["steps_per_epoch"] == 85 and summary["epochs"] == 4.0
     assert abs(summary["test_accuracy"] - reference["test_accuracy"]) < 0.02, (summary["test_accuracy"], reference["test_accuracy"])
+    evaluated = {float(line.split()[1].rstrip(":")) for line in lines if line.startswith("epoch ")}
+    assert evaluated == {1.0, 2.0, 3.0, 4.0}, evaluated
+    for line in lines:
+        if line.startswith("step "):
+            step, epoch = int(line.split()[1].split("/")[0]), float(line.split()[3])
+            assert epoch == pytest.approx(step / 85, abs=0.005), line
+    last = next(line for line in reversed(lines) if line.startswith("step 340/340"))
+    assert float(last.split("lr ")[1].split()[0]) == pytest.approx(0, abs=1e-6), last
+
+
+# --- one run per checkpoint directory -------------------------------------------------------------
+
+def snapshot(directory):
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.iterdir()}
+
+
+def test_a_second_run_on_a_checkpoint_directory_in_use_fails_in_one_line(tmp_path):
+    """The first run (stopped mid-way, so that it holds the directory while the others try) is
+    unaffected: it ends with only its own checkpoints, the last one holding its final weights."""
+    import tensorflow as tf
+    checkpoints, model = tmp_path / "ckpt", tmp_path / "first.keras"
+    first = start_and_wait(launchers.command("python", 1, "hvd_sgd.train", [
+        *LONG_RUN, "--max-steps", 400, "--stall-timeout", 600, "--checkpoint-dir", checkpoints, "--save-model", model]),
+        checkpoint_from_step(checkpoints, 50), timeout=120)
+    first.send_signal(signal.SIGSTOP)
+    try:
+        before = snapshot(checkpoints)
+        for launcher, np_, resume in (("python", 1, []), ("mpirun", 2, ["--resume"]), ("horovodrun", 2, [])):
+            second = launch(launcher, np_, *LONG_RUN, "--seed", 2, "--checkpoint-dir", checkpoints, *resume, timeout=120)
+            assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr[-2000:]
+            [line] = error_lines(second)
+            assert f"--checkpoint-dir {checkpoints} is in use by another run" in line and f"pid {first.pid}," in line, line
+            assert snapshot(checkpoints) == before, launcher  # nothing in the directory changed
+    finally:
+        first.send_signal(signal.SIGCONT)
+    status, stdout, stderr = ended_within(first, 120)
+    assert status == 0, stderr[-3000:]
+    state = tf.train.get_checkpoint_state(str(checkpoints))
+    every_50_steps_and_epoch_end = sorted({*range(50, 401, 50), *range(64, 401, 64)})  # 16384 // 256 = 64 steps an epoch
+    assert [int(p.rsplit("-", 1)[1]) for p in state.all_model_checkpoint_paths] == every_50_steps_and_epoch_end[-3:]
+    reader = tf.train.load_checkpoint(state.model_checkpoint_path)
+    kernel = next(name for name in reader.get_variable_to_shape_map()
+                  if name.startswith("model/layer_with_weights-0/kernel") and "OPTIMIZER" not in name)
+    np.testing.assert_array_equal(reader.get_tensor(kernel), saved_weights(model)[0])
+
+
+def test_a_killed_runs_lock_goes_with_it(tmp_path):
+    checkpoints = tmp_path / "ckpt"
+    run = start_and_wait(launchers.command("python", 1, "hvd_sgd.train", [*LONG_RUN, "--checkpoint-dir", checkpoints]),
+                         checkpoint_from_step(checkpoints, 50), timeout=120)
+    run.send_signal(signal.SIGKILL)
+    run.communicate(timeout=30)
+    resumed = succeeded(launch("python", 1, *LONG_RUN, "--max-steps", 100, "--checkpoint-dir", checkpoints, "--resume"))
+    assert any(line.startswith("Resuming from") for line in output_lines(resumed.stdout))
+
+
+def test_the_tf1_program_refuses_a_checkpoint_directory_in_use(tmp_path):
+    checkpoints = tmp_path / "ckpt"
+    holder = subprocess.Popen([PYTHON, "-c", "import sys, time; from hvd_sgd import checkpoint; "
+                               "checkpoint.lock_directory(sys.argv[1], 'test'); print('locked', flush=True); time.sleep(300)",
+                               str(checkpoints)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        result = launch("mpirun", 2, "--steps", 10, "--checkpoint-dir", checkpoints, module="hvd_sgd.train_v1", timeout=120)
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+        [line] = error_lines(result, "hvd_sgd.train_v1")
+        assert f"is in use by another run (host {os.uname().nodename}, pid {holder.pid}," in line, line
+    finally:
+        holder.kill()
+        holder.wait()

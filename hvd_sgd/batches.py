@@ -1,0 +1,72 @@
+"""The data order and the input pipelines that follow it.
+
+The order is a function of (seed, epoch, global batch) alone: each epoch is one global
+permutation cut into global batches, and rank r takes the r-th slice of each. So N ranks with
+batch B see, step by step, exactly the examples one rank with batch N*B sees. With gradient
+accumulation a rank's slice is cut again into micro-batches, one per backward pass.
+
+An epoch is a number of steps fixed when the run starts (``steps_per_epoch``). In an elastic
+job whose size changes, a step still updates the weights once, with the new global batch:
+an epoch then covers fewer examples (or, grown, wraps around its permutation).
+"""
+import numpy as np
+import tensorflow as tf
+
+from hvd_sgd import JobError
+
+
+def steps_per_epoch(num_examples, per_rank_batch, world_size, micro_batches=1):
+    """Full global batches per epoch; every rank runs this many steps. A JobError if none fits."""
+    if world_size > num_examples:
+        raise JobError(f"{world_size} ranks but only {num_examples} training examples")
+    steps = num_examples // (per_rank_batch * micro_batches * world_size)
+    if steps == 0:
+        batch = f"--batch-size {per_rank_batch}" + (f" x {micro_batches} backward passes" if micro_batches > 1 else "")
+        raise JobError(f"{batch} is larger than a rank's shard "
+                       f"({num_examples} examples / {world_size} ranks = {num_examples // world_size})")
+    return steps
+
+
+def epoch_order(num_examples, seed, epoch):
+    return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def rank_batch_indices(num_examples, rank_batch, world_size, rank, seed, first_step, last_step, per_epoch):
+    """Example indices of this rank's batches for global steps [first_step, last_step): [steps, rank_batch]."""
+    global_batch = rank_batch * world_size
+    epochs = range(first_step // per_epoch, -(-last_step // per_epoch))
+    batches = np.concatenate([
+        np.resize(epoch_order(num_examples, seed, epoch), per_epoch * global_batch)
+        .reshape(per_epoch, world_size, rank_batch)[:, rank]
+        for epoch in epochs])
+    start = first_step - epochs.start * per_epoch
+    return batches[start:start + last_step - first_step]
+
+
+def train_batches(splits, indices):
+    """A pipeline of (images float32 [B, h, w, 1] in [0, 1], labels int32 [B]), a batch per row of ``indices``."""
+    images, labels = tf.constant(splits.x_train), tf.constant(splits.y_train)
+
+    def gather(batch):
+        return to_model_input(tf.gather(images, batch)), tf.cast(tf.gather(labels, batch), tf.int32)
+
+    return _without_autotuner(tf.data.Dataset.from_tensor_slices(indices).map(gather).prefetch(2))
+
+
+def test_batches(splits, batch_size=1000):
+    return _without_autotuner(tf.data.Dataset.from_tensor_slices((splits.x_test, splits.y_test.astype(np.int32)))
+                              .batch(batch_size).map(lambda x, y: (to_model_input(x), y)).prefetch(2))
+
+
+def to_model_input(images):
+    """uint8 [..., h, w] -> float32 [..., h, w, 1] in [0, 1]: what every model takes."""
+    return tf.cast(images, tf.float32)[..., None] / 255.0
+
+
+def _without_autotuner(pipeline):
+    """A batch is one gather (microseconds): the fixed prefetch keeps the model fed, and tf.data's
+    autotuner has nothing to tune, while its thread can hold up the iterator's deletion for
+    seconds in TensorFlow 2.15 (docs/benchmarks.md)."""
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return pipeline.with_options(options)

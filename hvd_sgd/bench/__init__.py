@@ -1,0 +1,18 @@
+"""Benchmarks: hvd_sgd side by side with plain Keras, independent processes and MWMS.
+
+    python -m hvd_sgd.bench [--quick] [--results-dir results/bench] [--suites overhead,scaling,...]
+
+Every suite runs its contenders back to back in this one invocation, on the same model, data,
+global batch and number of timed steps (all but the first, which traces the graph), and reports
+ratios: this machine is shared and noisy, so absolute times mean little.
+
+1. overhead   hvd_sgd on 1 rank vs a plain Keras ``fit`` loop without Horovod
+2. scaling    hvd_sgd on 2 ranks vs two independent 1-rank Keras trainings at once (the ceiling)
+3. peer       hvd_sgd on 2 ranks vs tf.distribute.MultiWorkerMirroredStrategy with 2 workers
+4. allreduce  bus bandwidth of hvd.allreduce (MPI and Gloo controllers) vs mpi4py's Allreduce
+5. tta        wall time for the CNN to reach the target test accuracy with 1 and 2 ranks
+
+Modules: ``contenders`` starts each contender as its own process tree, ``workers`` is what
+those processes run (``python -m hvd_sgd.bench worker KIND …``), ``protocol`` is how they
+report, ``suites`` pairs and repeats them, ``report`` writes results.json, results.md and plots.
+"""

