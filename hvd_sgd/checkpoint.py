@@ -48,10 +48,13 @@ def lock_directory(directory, what):
 class Checkpoints:
     """The chief's checkpoints in ``directory``, locked against other runs for this process's life."""
 
-    def __init__(self, directory, resume, log, **trackables):
+    def __init__(self, directory, resume, log, global_batch, **trackables):
+        """``global_batch``: examples per step, recorded with every checkpoint, since the data order
+        and the epoch's steps follow from it: a run that resumes must have the same."""
         self.directory, self.log = directory, log
         lock_directory(directory, f"--checkpoint-dir {directory}")
-        self.checkpoint = tf.train.Checkpoint(**trackables)
+        self.global_batch = tf.Variable(global_batch, dtype=tf.int64, trainable=False, name="global_batch")
+        self.checkpoint = tf.train.Checkpoint(global_batch=self.global_batch, **trackables)
         self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=KEEP, checkpoint_name="ckpt")
         if self.manager.checkpoints and not resume:
             raise JobError(f"--checkpoint-dir {directory} already holds checkpoints: "
@@ -63,9 +66,15 @@ class Checkpoints:
 
     def restore_latest(self):
         """Load the newest readable checkpoint into the trackables; the caller broadcasts them."""
+        expected = int(self.global_batch.numpy())
         for path in reversed(self._inside_directory(self.manager.checkpoints)):
             try:
                 self.checkpoint.restore(path).assert_existing_objects_matched()
+                saved = int(self.global_batch.numpy())
+                if saved != expected:
+                    raise JobError(f"{path} was trained with a global batch of {saved} examples a step, this run "
+                                   f"has {expected} (ranks x --batch-size x --backward-passes-per-step): resume with "
+                                   f"the same global batch, e.g. another --batch-size for another number of ranks")
                 self.log(f"Resuming from {path}")
                 return
             except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError, IndexError) as e:

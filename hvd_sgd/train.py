@@ -83,6 +83,7 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     with world.agreement():
         if world.is_chief and cfg.checkpoint_dir:  # rank 0 alone reads and writes checkpoints
             checkpoints = checkpoint.Checkpoints(cfg.checkpoint_dir, cfg.resume, world.log,
+                                                 cfg.batch_size * passes * world.size,
                                                  model=model, optimizer=optimizer, step=step)
             if cfg.resume:
                 checkpoints.restore_latest()
@@ -96,6 +97,7 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     trainer = Trainer(world, cfg, splits, model, optimizer, step, lr, checkpoints, steps_per_epoch, total_steps)
     result = _train_elastically(trainer) if cfg.elastic else trainer.run(watchdog.progress)
     checksums = world.check_identical(state, "at the end")
+    placement = hvd.allgather_object(world.placement())  # where each rank ran: host, local rank, …
 
     # 7. Finish: the ranks agree bit for bit (above); rank 0 writes the model and the summary.
     if result is None:  # resumed at the last step: nothing was left to train
@@ -107,7 +109,7 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
         backward_passes_per_step=passes, global_batch=trainer.global_batch(),
         learning_rate=cfg.lr * (world.size * passes if cfg.lr_scaling else 1),
         images_per_second=trainer.clock.images_per_second(), wall_seconds=trainer.clock.wall_seconds(),
-        weight_checksums=checksums, config=dataclasses.asdict(cfg),
+        weight_checksums=checksums, ranks=placement, config=dataclasses.asdict(cfg),
         versions=dict(python=platform.python_version(), tensorflow=tf.__version__,
                       horovod=importlib.metadata.version("horovod"), hvd_sgd=__version__))
     if world.is_chief:  # one copy of each file, from the rank that holds what every rank holds

@@ -5,16 +5,16 @@ A rank that dies is noticed by the launcher, which ends the job. A rank that is 
 all-reduce for ever, and Horovod's own stall check cannot run because its coordination waits
 for that rank too. So each rank runs a thread that
 
-- beats: every second it writes the rank's last finished step to a heartbeat file
-  (``$HVD_SGD_HEARTBEAT_DIR``, default the temporary directory: set it to shared storage for
-  multi-node jobs to have the frozen rank named);
+- beats: every second it writes the rank's last finished step and its host to a heartbeat file,
+  in a directory every node sees (see ``heartbeat_root``);
 - watches: when no step has finished for ``timeout`` seconds, it names the ranks whose heartbeat
-  stopped (a frozen process stops beating), prints one line (the lowest live rank does), and
-  exits the process with status 1, which makes the launcher end the job.
+  stopped (a frozen process stops beating) and their hosts, prints one line (the lowest live rank
+  does), and exits the process with status 1, which makes the launcher end the job.
 """
 import atexit
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -23,12 +23,28 @@ import time
 BEAT_SECONDS = 1.0
 
 
+def heartbeat_root():
+    """``$HVD_SGD_HEARTBEAT_DIR``; else the cache in the home directory, which the nodes of a cluster
+    share as they share the home itself (a node's /tmp is its own); else the temporary directory."""
+    if os.environ.get("HVD_SGD_HEARTBEAT_DIR"):
+        return os.environ["HVD_SGD_HEARTBEAT_DIR"]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                         "hvd_sgd")
+    try:
+        os.makedirs(cache, exist_ok=True)
+        if os.access(cache, os.W_OK):
+            return cache
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
 class Watchdog:
     def __init__(self, world, timeout):
         """``timeout`` None: a watchdog that watches nothing (elastic mode handles lost workers)."""
-        self.world, self.timeout = world, timeout
-        root = os.environ.get("HVD_SGD_HEARTBEAT_DIR") or tempfile.gettempdir()
-        self.directory = os.path.join(root, f"hvd_sgd-heartbeat-{world.job_token}")
+        self.timeout = timeout
+        self.rank, self.size, self.host = world.rank, world.size, socket.gethostname()
+        self.directory = os.path.join(heartbeat_root(), f"hvd_sgd-heartbeat-{world.job_token}")
         self.step, self.last_progress = 0, time.monotonic()
 
     def start(self):
@@ -51,29 +67,32 @@ class Watchdog:
                 self._fire()
 
     def _beat(self):
-        path = os.path.join(self.directory, f"rank-{self.world.rank}")
+        path = os.path.join(self.directory, f"rank-{self.rank}")
         try:
             with open(path + ".tmp", "w") as f:
-                f.write(str(self.step))
+                f.write(f"{self.step} {self.host}")
             os.replace(path + ".tmp", path)
         except OSError:
             pass  # the directory went away at the end of the job
 
     def _fire(self):
         now = time.time()
-        frozen = []
-        for rank in range(self.world.size):
+        frozen = {}  # rank: host
+        for rank in range(self.size):
+            path = os.path.join(self.directory, f"rank-{rank}")
             try:
-                age = now - os.path.getmtime(os.path.join(self.directory, f"rank-{rank}"))
-            except OSError:
-                age = None  # not visible from this node
+                age = now - os.path.getmtime(path)
+                with open(path) as f:
+                    host = f.read().split()[-1]
+            except (OSError, IndexError):
+                age, host = None, "host unknown"  # never beat, or not visible from this node
             if age is None or age > max(3 * BEAT_SECONDS, self.timeout / 4):
-                frozen.append(rank)
-        alive = [r for r in range(self.world.size) if r not in frozen]
+                frozen[rank] = host
+        alive = [r for r in range(self.size) if r not in frozen]
         # The lowest live rank reports. A rank that was itself frozen (its own heartbeat is stale)
         # and is woken by the launcher's SIGCONT before its SIGTERM says nothing.
-        if alive and self.world.rank == alive[0]:
-            who = (f"rank(s) {', '.join(map(str, frozen))} stopped responding" if frozen
+        if alive and self.rank == alive[0]:
+            who = (f"rank(s) {', '.join(f'{r} ({host})' for r, host in frozen.items())} stopped responding" if frozen
                    else "no rank stopped responding, but a collective operation is blocked")
             sys.stderr.write(f"hvd_sgd: error: no training step finished for {self.timeout:.0f} s after step "
                              f"{self.step}: {who}; ending the job (--stall-timeout)\n")

@@ -5,6 +5,8 @@ as ``if world.is_chief:``; this module holds the collectives that keep the ranks
 """
 import contextlib
 import dataclasses
+import os
+import socket
 import sys
 import zlib
 
@@ -32,6 +34,12 @@ class World:
     @property
     def is_chief(self):
         return self.rank == 0
+
+    def placement(self):
+        """Where this rank runs: its host, its place among the node's ranks and across nodes, its CPUs."""
+        return dict(rank=hvd.rank(), host=socket.gethostname(), local_rank=hvd.local_rank(),
+                    local_size=hvd.local_size(), cross_rank=hvd.cross_rank(), cross_size=hvd.cross_size(),
+                    cpus=sorted(os.sched_getaffinity(0)), device=self.device)
 
     def log(self, message):
         """Progress lines come from the chief alone (one write per line: launchers tag each write)."""

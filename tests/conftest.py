@@ -70,6 +70,13 @@ def saved_weights(path):
     return [np.asarray(w) for w in tf.keras.models.load_model(path).get_weights()]
 
 
+def train_and_save(tmp_path, name, launcher, np_, *args):
+    """Train, save the model as ``tmp_path/name.keras``, return its weights."""
+    path = tmp_path / f"{name}.keras"
+    succeeded(launch(launcher, np_, *args, "--save-model", path))
+    return saved_weights(path)
+
+
 def assert_same_weights(a, b, rtol=1e-5, atol=1e-6):
     for x, y in zip(a, b, strict=True):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)

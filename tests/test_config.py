@@ -52,7 +52,6 @@ def test_help_explains_every_flag(capsys):
         assert flag in text
 
 
-
 def test_a_users_model_is_named_by_module_and_function():
     assert parse("--model", "my_package.models:build").model == "my_package.models:build"
 

@@ -189,7 +189,7 @@ def test_stalled_rank_ends_the_job_naming_it(tmp_path):
     status, stdout, stderr = ended_within(run, 60)
     assert status != 0 and time.monotonic() - stopped_at < 8 + 15
     lines = [line for line in output_lines(stderr) if "hvd_sgd" in line]
-    assert len(lines) == 1 and "rank(s) 1 stopped responding" in lines[0], stderr[-3000:]
+    assert len(lines) == 1 and f"rank(s) 1 ({os.uname().nodename}) stopped responding" in lines[0], stderr[-3000:]
 
 
 # --- damaged checkpoints, divergence ----------------------------------------------------------

@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from conftest import (PYTHON, assert_same_weights, launch, max_difference, output_lines, read_json, reported_accuracy,
-                      saved_weights, succeeded)
+from conftest import (PYTHON, assert_same_weights, error_lines, launch, max_difference, output_lines, read_json,
+                      reported_accuracy, succeeded, train_and_save)
 
 
 @pytest.mark.parametrize("launcher,np_", [("python", 1), ("mpirun", 2), ("horovodrun", 2), ("horovodrun-gloo", 2)])
@@ -94,12 +94,6 @@ def test_horovod_cycle_is_zero_while_every_rank_has_a_core(env, expected, monkey
     assert startup._cycle_time_ms() == expected
 
 
-def train_and_save(tmp_path, name, launcher, np_, *args):
-    path = tmp_path / f"{name}.keras"
-    succeeded(launch(launcher, np_, *args, "--save-model", path))
-    return saved_weights(path)
-
-
 @pytest.mark.parametrize("model", ["softmax", "mlp"])
 def test_n_ranks_with_batch_b_train_like_one_rank_with_batch_nb(model, tmp_path):
     """The heart of the product: synchronous averaging makes the number of ranks invisible."""
@@ -175,6 +169,22 @@ def test_resume_continues_and_ends_where_an_uninterrupted_run_ends(tmp_path, pas
                              "--checkpoint-dir", checkpoints, "--resume", "--metrics-file", metrics)
     assert read_json(metrics)["steps"] == 30
     assert_same_weights(straight, resumed)
+
+
+def test_resume_on_another_number_of_ranks_needs_the_same_global_batch(tmp_path):
+    """2 ranks x 16 checkpointed, resumed on 1 rank: refused with batch 16, exact with batch 32."""
+    common = ["--model", "mlp", "--lr", "0.04", "--no-lr-scaling", "--train-examples", 1024, "--test-examples", 500]
+    straight = train_and_save(tmp_path, "straight", "mpirun", 2, *common, "--batch-size", 16, "--max-steps", 30)
+    checkpoints = tmp_path / "checkpoints"
+    succeeded(launch("mpirun", 2, *common, "--batch-size", 16, "--max-steps", 12, "--checkpoint-dir", checkpoints))
+    refused = launch("python", 1, *common, "--batch-size", 16, "--max-steps", 30, "--checkpoint-dir", checkpoints,
+                     "--resume")
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    [line] = error_lines(refused)
+    assert "trained with a global batch of 32 examples a step, this run has 16" in line, line
+    resumed = train_and_save(tmp_path, "resumed", "python", 1, *common, "--batch-size", 32, "--max-steps", 30,
+                             "--checkpoint-dir", checkpoints, "--resume")
+    assert_same_weights(straight, resumed, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -1,0 +1,199 @@
+"""Across hosts: a virtual cluster of 2 nodes (run/cluster: namespaces, a bridge, sshd on each),
+2 ranks on each, launched from node1 as on a real cluster. The project and $HOME are shared;
+each node's /tmp is its own, so every file the tests read is under the shared state directory."""
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import (PYTHON, ROOT, assert_same_weights, output_lines, read_json, reported_accuracy, saved_weights, succeeded,
+                      train_and_save)
+from hvd_sgd import launchers
+
+pytestmark = pytest.mark.multinode
+CLUSTER = ROOT / "run" / "cluster"
+STATE = ROOT / ".cluster-test"
+HOSTS = "node1:2,node2:2"
+# Open MPI must use the cluster's network; horovodrun finds the common interface (eth0) itself.
+MPIRUN_NETWORK = ["--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0"]
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """Two nodes for the whole session, taken down whatever the tests do."""
+    env = dict(os.environ, HVD_SGD_CLUSTER_DIR=str(STATE), HVD_SGD_CLUSTER_NET="10.213.58",
+               HVD_SGD_CLUSTER_PREFIX="hvdtest")
+    try:
+        up = subprocess.run([CLUSTER, "up", "--nodes", "2"], env=env, capture_output=True, text=True, timeout=300)
+        if up.returncode != 0:
+            pytest.fail(f"the virtual cluster cannot start here: {(up.stderr.strip().splitlines() or ['?'])[-1]}")
+        yield env
+    finally:
+        subprocess.run([CLUSTER, "down"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture
+def shared(cluster, request):
+    """A directory every node sees (the nodes' /tmp are their own)."""
+    path = STATE / "shared" / request.node.name.replace("[", "-").replace("]", "")
+    path.mkdir(parents=True)
+    return path
+
+
+def on_node(cluster, node, command, timeout=300, extra_env=None, **popen):
+    """Run ``command`` on ``node`` (a shell there, in the project directory)."""
+    full = [CLUSTER, "exec", node, *map(str, command)]
+    env = launchers.environment(**{k: cluster[k] for k in ("HVD_SGD_CLUSTER_DIR", "HVD_SGD_CLUSTER_NET",
+                                                             "HVD_SGD_CLUSTER_PREFIX")}, **(extra_env or {}))
+    if popen:
+        return subprocess.Popen(full, cwd=ROOT, env=env, text=True, **popen)
+    return subprocess.run(full, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def across(launcher, np_=4, hosts=HOSTS):
+    """The launcher's command line for ``np_`` ranks across the nodes, before the program."""
+    if launcher == "mpirun":
+        return ["mpirun", "--allow-run-as-root", "-np", np_, "-H", hosts, *MPIRUN_NETWORK,
+                "-x", "PYTHONUNBUFFERED", "-x", "OMPI_MCA_mpi_yield_when_idle"]
+    gloo = ["--gloo"] if launcher == "horovodrun-gloo" else []
+    return [launchers.venv_bin("horovodrun"), "-np", np_, "-H", hosts, *gloo]
+
+
+def train_across(cluster, launcher, *args, np_=4, hosts=HOSTS, timeout=300):
+    return on_node(cluster, "node1", [*across(launcher, np_, hosts), PYTHON, "-m", "hvd_sgd.train",
+                                      *args], timeout=timeout)
+
+
+TINY = ["--model", "softmax", "--lr", "0.1", "--train-examples", 2048, "--test-examples", 1000, "--max-steps", 30,
+        "--batch-size", 16, "--seed", 3]
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "horovodrun-gloo", "mpirun"])
+def test_every_launcher_runs_two_ranks_on_each_node(cluster, shared, launcher):
+    metrics, model = shared / "m.json", shared / "m.keras"
+    result = succeeded(train_across(cluster, launcher, *TINY, "--metrics-file", metrics, "--save-model", model))
+    assert reported_accuracy(result) > 0.75
+    summary = read_json(metrics)
+    assert summary["world_size"] == 4 and len(set(summary["weight_checksums"])) == 1
+    placement = {r["rank"]: r for r in summary["ranks"]}
+    assert sorted((r["host"], r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"])
+                  for r in placement.values()) == [("node1", 0, 2, 0, 2), ("node1", 1, 2, 0, 2),
+                                                   ("node2", 0, 2, 1, 2), ("node2", 1, 2, 1, 2)]
+    assert placement[0]["host"] == "node1"  # rank 0, the chief, where the launcher runs
+    for host in ("node1", "node2"):  # each node's two ranks on disjoint cores of that node
+        a, b = [r["cpus"] for r in placement.values() if r["host"] == host]
+        assert set(a).isdisjoint(b), placement
+
+
+def test_four_ranks_on_two_nodes_train_like_one_rank_with_four_times_the_batch(cluster, shared, tmp_path):
+    common = [*TINY[:-4], "--no-lr-scaling", "--seed", 3]
+    succeeded(train_across(cluster, "horovodrun", *common, "--batch-size", 8, "--save-model", shared / "np4.keras"))
+    one = train_and_save(tmp_path, "np1", "python", 1, *common, "--batch-size", 32)
+    assert_same_weights(saved_weights(shared / "np4.keras"), one, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_moves_between_two_nodes_and_one(cluster, shared, tmp_path):
+    """Checkpointed on 2 nodes x 2 ranks, resumed on node1 alone (2 ranks x twice the batch), then
+    back on both: the weights of one uninterrupted run."""
+    common = ["--model", "mlp", "--lr", "0.04", "--no-lr-scaling", "--train-examples", 2048, "--test-examples", 500]
+    straight = train_and_save(tmp_path, "straight", "python", 1, *common, "--batch-size", 64, "--max-steps", 30)
+    checkpoints = shared / "ckpt"
+    succeeded(train_across(cluster, "horovodrun", *common, "--batch-size", 16, "--max-steps", 10,
+                           "--checkpoint-dir", checkpoints))
+    succeeded(train_across(cluster, "horovodrun", *common, "--batch-size", 32, "--max-steps", 20,
+                           "--checkpoint-dir", checkpoints, "--resume", np_=2, hosts="node1:2"))
+    succeeded(train_across(cluster, "horovodrun", *common, "--batch-size", 16, "--max-steps", 30,
+                           "--checkpoint-dir", checkpoints, "--resume", "--save-model", shared / "final.keras"))
+    assert_same_weights(saved_weights(shared / "final.keras"), straight, rtol=1e-4, atol=1e-5)
+
+
+LONG = ["--model", "mlp", "--train-examples", 8192, "--test-examples", 500, "--batch-size", 64,
+        "--epochs", 1000, "--log-every-steps", 10, "--checkpoint-every-steps", 20]
+
+
+def start_long_run(cluster, shared, *args, env=None):
+    """A long run across both nodes, returned once its first checkpoints are there."""
+    checkpoints = shared / "ckpt"
+    run = on_node(cluster, "node1", [*across("horovodrun"), PYTHON, "-m", "hvd_sgd.train", *LONG,
+                                     "--checkpoint-dir", checkpoints, *args],
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, extra_env=env)
+    deadline = time.monotonic() + 180
+    while not list(checkpoints.glob("ckpt-*.index")):
+        assert run.poll() is None, ("the run ended early", run.communicate())
+        assert time.monotonic() < deadline, "no checkpoint in 180 s"
+        time.sleep(0.5)
+    return run, checkpoints
+
+
+def ended_within(run, seconds):
+    try:
+        stdout, stderr = run.communicate(timeout=seconds)
+        return run.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        pytest.fail(f"the job did not end within {seconds} s")
+
+
+def rank_pids_on(cluster, node):
+    """The training processes running on ``node``: in its network namespace (the PIDs are this machine's)."""
+    namespace = f"{cluster['HVD_SGD_CLUSTER_PREFIX']}-{node}"
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=True).stdout.split()
+    ranks = []
+    for pid in map(int, pids):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+        except OSError:
+            continue  # ended since the listing
+        if argv[:3] == [PYTHON, "-m", "hvd_sgd.train"]:
+            ranks.append(pid)
+    return ranks
+
+
+def test_a_stalled_rank_on_the_other_node_is_named_with_its_host(cluster, shared):
+    run, _ = start_long_run(cluster, shared, "--stall-timeout", 10)
+    victims = rank_pids_on(cluster, "node2")
+    assert victims, "no rank found on node2"
+    os.kill(victims[0], signal.SIGSTOP)  # one PID space: the nodes' processes are this machine's
+    stopped = time.monotonic()
+    status, stdout, stderr = ended_within(run, 60)
+    assert status != 0 and time.monotonic() - stopped < 10 + 15
+    lines = [line for line in output_lines(stderr) if "stopped responding" in line]
+    assert len(lines) == 1 and "(node2) stopped responding" in lines[0], stderr[-3000:]
+
+
+# The launcher must notice a node that stopped answering: Open MPI's daemons (orted) keep a TCP
+# connection to mpirun, idle while training runs, and by default probe it only after 300 s.
+FAST_KEEPALIVE = dict(OMPI_MCA_oob_tcp_keepalive_time="10", OMPI_MCA_oob_tcp_keepalive_intvl="5",
+                      OMPI_MCA_oob_tcp_keepalive_probes="3")
+
+
+@pytest.mark.parametrize("fault", ["partition", "node killed"])  # in this order: a killed node is gone for good
+def test_losing_a_node_ends_the_job_and_the_survivor_resumes(cluster, shared, fault):
+    """node2's link cut, or every process of node2 killed: the job ends within 60 s naming node2,
+    nothing is left running, and node1 alone resumes from the last checkpoint."""
+    run, checkpoints = start_long_run(cluster, shared, "--stall-timeout", 30, env=FAST_KEEPALIVE)
+    namespace = f"{cluster['HVD_SGD_CLUSTER_PREFIX']}-node2"
+    lost = time.monotonic()
+    if fault == "partition":
+        subprocess.run(["ip", "-n", namespace, "link", "set", "eth0", "down"], check=True)
+    else:
+        pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+        subprocess.run(["kill", "-9", *pids])
+    try:
+        status, stdout, stderr = ended_within(run, 90)
+        assert status != 0 and time.monotonic() - lost < 60
+        # Open MPI names the node: "Remote daemon: [[…],1] on node node2" (cut off), or "Connection to
+        # node2 closed by remote host." (its ssh session killed).
+        assert any("node2" in line for line in stderr.splitlines()), stderr[-3000:]
+        deadline = time.monotonic() + 60  # node2's own ranks notice they are cut off and end
+        while rank_pids_on(cluster, "node2"):
+            assert time.monotonic() < deadline, "ranks left running on node2"
+            time.sleep(1)
+    finally:
+        if fault == "partition":
+            subprocess.run(["ip", "-n", namespace, "link", "set", "eth0", "up"], check=True)
+    resumed = succeeded(train_across(cluster, "horovodrun", *LONG, "--batch-size", 128, "--max-steps", 200,
+                                     "--checkpoint-dir", checkpoints, "--resume", np_=2, hosts="node1:2"))
+    assert any(line.startswith("Resuming from") for line in output_lines(resumed.stdout))
