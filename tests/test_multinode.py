@@ -4,6 +4,7 @@ each node's /tmp is its own, so every file the tests read is under the shared st
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from conftest import (PYTHON, ROOT, assert_same_weights, output_lines, read_json, reported_accuracy, saved_weights, succeeded,
                       train_and_save)
 from hvd_sgd import launchers
+from test_slurm import run_job
 
 pytestmark = pytest.mark.multinode
 CLUSTER = ROOT / "run" / "cluster"
@@ -24,12 +26,14 @@ MPIRUN_NETWORK = ["--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_in
 def cluster():
     """Two nodes for the whole session, taken down whatever the tests do."""
     env = dict(os.environ, HVD_SGD_CLUSTER_DIR=str(STATE), HVD_SGD_CLUSTER_NET="10.213.58",
-               HVD_SGD_CLUSTER_PREFIX="hvdtest")
+               HVD_SGD_CLUSTER_PREFIX="hvdtest", HVD_SGD_CLUSTER_SLURMCTLD_PORT="16937",
+               HVD_SGD_CLUSTER_SLURMD_PORT="16938")
     try:
-        up = subprocess.run([CLUSTER, "up", "--nodes", "2"], env=env, capture_output=True, text=True, timeout=300)
+        up = subprocess.run([CLUSTER, "up", "--nodes", "2", "--slurm"], env=env, capture_output=True, text=True,
+                            timeout=300)
         if up.returncode != 0:
             pytest.fail(f"the virtual cluster cannot start here: {(up.stderr.strip().splitlines() or ['?'])[-1]}")
-        yield env
+        yield dict(env, SLURM_CONF=str(STATE / "slurm" / "slurm.conf"))
     finally:
         subprocess.run([CLUSTER, "down"], env=env, capture_output=True, timeout=120)
 
@@ -66,15 +70,22 @@ def train_across(cluster, launcher, *args, np_=4, hosts=HOSTS, timeout=300):
                                       *args], timeout=timeout)
 
 
-TINY = ["--model", "softmax", "--lr", "0.1", "--train-examples", 2048, "--test-examples", 1000, "--max-steps", 30,
-        "--batch-size", 16, "--seed", 3]
+TINY = ["--model", "softmax", "--lr", "0.4", "--no-lr-scaling", "--train-examples", 2048, "--test-examples", 1000,
+        "--max-steps", 30, "--seed", 3]
+
+
+@pytest.fixture(scope="module")
+def one_rank_with_four_times_the_batch(tmp_path_factory):
+    return train_and_save(tmp_path_factory.mktemp("np1"), "np1", "python", 1, *TINY, "--batch-size", 32)
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun", "horovodrun-gloo", "mpirun"])
-def test_every_launcher_runs_two_ranks_on_each_node(cluster, shared, launcher):
+def test_every_launcher_runs_two_ranks_on_each_node(cluster, shared, launcher, one_rank_with_four_times_the_batch):
+    """Placement as the host list says, and 2 nodes x 2 ranks x batch 8 train like 1 rank x batch 32."""
     metrics, model = shared / "m.json", shared / "m.keras"
-    result = succeeded(train_across(cluster, launcher, *TINY, "--metrics-file", metrics, "--save-model", model))
-    assert reported_accuracy(result) > 0.75
+    result = succeeded(train_across(cluster, launcher, *TINY, "--batch-size", 8, "--metrics-file", metrics,
+                                    "--save-model", model))
+    assert reported_accuracy(result) > 0.6  # it learned (chance is 0.1)
     summary = read_json(metrics)
     assert summary["world_size"] == 4 and len(set(summary["weight_checksums"])) == 1
     placement = {r["rank"]: r for r in summary["ranks"]}
@@ -85,13 +96,21 @@ def test_every_launcher_runs_two_ranks_on_each_node(cluster, shared, launcher):
     for host in ("node1", "node2"):  # each node's two ranks on disjoint cores of that node
         a, b = [r["cpus"] for r in placement.values() if r["host"] == host]
         assert set(a).isdisjoint(b), placement
+    assert_same_weights(saved_weights(model), one_rank_with_four_times_the_batch, rtol=1e-4, atol=1e-5)
 
 
-def test_four_ranks_on_two_nodes_train_like_one_rank_with_four_times_the_batch(cluster, shared, tmp_path):
-    common = [*TINY[:-4], "--no-lr-scaling", "--seed", 3]
-    succeeded(train_across(cluster, "horovodrun", *common, "--batch-size", 8, "--save-model", shared / "np4.keras"))
-    one = train_and_save(tmp_path, "np1", "python", 1, *common, "--batch-size", 32)
-    assert_same_weights(saved_weights(shared / "np4.keras"), one, rtol=1e-4, atol=1e-5)
+@pytest.mark.parametrize("launcher", ["srun", "mpirun", "horovodrun"])
+def test_the_job_script_runs_two_ranks_on_each_of_two_slurm_nodes(cluster, shared, launcher,
+                                                                  one_rank_with_four_times_the_batch):
+    output, metrics, model = shared / "job.out", shared / "m.json", shared / "m.keras"
+    state = run_job(dict(cluster, LAUNCHER=launcher), "-N", 2, "--ntasks-per-node", 2, f"--output={output}",
+                    ROOT / "run" / "slurm" / "train.sbatch", *TINY, "--batch-size", 8, "--metrics-file", metrics,
+                    "--save-model", model)
+    assert state == "COMPLETED", output.read_text()[-3000:] if output.exists() else state
+    summary = read_json(metrics)
+    assert sorted((r["host"], r["local_rank"]) for r in summary["ranks"]) == [
+        ("node1", 0), ("node1", 1), ("node2", 0), ("node2", 1)]
+    assert_same_weights(saved_weights(model), one_rank_with_four_times_the_batch, rtol=1e-4, atol=1e-5)
 
 
 def test_resume_moves_between_two_nodes_and_one(cluster, shared, tmp_path):
@@ -113,10 +132,10 @@ LONG = ["--model", "mlp", "--train-examples", 8192, "--test-examples", 500, "--b
         "--epochs", 1000, "--log-every-steps", 10, "--checkpoint-every-steps", 20]
 
 
-def start_long_run(cluster, shared, *args, env=None):
+def start_long_run(cluster, shared, *args, env=None, np_=4, hosts=HOSTS):
     """A long run across both nodes, returned once its first checkpoints are there."""
     checkpoints = shared / "ckpt"
-    run = on_node(cluster, "node1", [*across("horovodrun"), PYTHON, "-m", "hvd_sgd.train", *LONG,
+    run = on_node(cluster, "node1", [*across("horovodrun", np_, hosts), PYTHON, "-m", "hvd_sgd.train", *LONG,
                                      "--checkpoint-dir", checkpoints, *args],
                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, extra_env=env)
     deadline = time.monotonic() + 180
@@ -163,13 +182,80 @@ def test_a_stalled_rank_on_the_other_node_is_named_with_its_host(cluster, shared
     assert len(lines) == 1 and "(node2) stopped responding" in lines[0], stderr[-3000:]
 
 
+def test_a_checkpoint_directory_in_use_on_one_node_is_refused_on_the_other(cluster, shared):
+    checkpoints = shared / "ckpt"
+    holder = on_node(cluster, "node1", [PYTHON, "-c", "import sys, time; from hvd_sgd import checkpoint; "
+                                        "checkpoint.lock_directory(sys.argv[1], 'test'); print('locked', flush=True); "
+                                        "time.sleep(300)", checkpoints], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        second = on_node(cluster, "node2", [PYTHON, "-m", "hvd_sgd.train", *LONG, "--checkpoint-dir", checkpoints,
+                                            "--resume"], timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert second.returncode != 0 and "Traceback" not in second.stderr
+    lines = [line for line in second.stderr.splitlines() if "hvd_sgd.train: error:" in line]
+    assert len(lines) == 1 and "is in use by another run (host node1, pid" in lines[0], second.stderr[-3000:]
+
+
+ELASTIC = ["--model", "mlp", "--train-examples", 8192, "--test-examples", 1000, "--batch-size", 32, "--epochs", 12,
+           "--threads-per-rank", 1, "--log-every-steps", 20, "--elastic"]
+
+
+def test_elastic_training_goes_on_without_a_node(cluster, shared):
+    """node2 leaves the discovery output mid-run: node1's ranks go on to the end. (Taking node2 back
+    when it returns is not shown yet: Horovod did not restart on it within 180 s, even with the
+    blacklist cool-down below.)"""
+    hosts, metrics = shared / "hosts", shared / "m.json"
+    hosts.write_text("node1:2\nnode2:2\n")
+    # A removed host's workers end with an error, and Horovod blacklists such a host: for good,
+    # unless a cool-down lets it back.
+    command = [launchers.venv_bin("horovodrun"), "-np", 4, "--min-np", 2, "--max-np", 4,
+               "--blacklist-cooldown-range", 1, 2,
+               "--host-discovery-script", ROOT / "run" / "discover-hosts", PYTHON, "-m", "hvd_sgd.train", *ELASTIC,
+               "--metrics-file", metrics]
+    run = on_node(cluster, "node1", command, extra_env=dict(HVD_SGD_HOSTS_FILE=str(hosts)),
+                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    sizes = []  # the number of ranks at each (re)start, as rank 0 logs it
+
+    def read_output():
+        for line in run.stdout:
+            if "elastic (re)start" in line:
+                sizes.append(int(line.split("with ")[1].split()[0]))
+
+    reader = threading.Thread(target=read_output, daemon=True)
+    reader.start()
+
+    def wait_until(condition, what, seconds=180):
+        deadline = time.monotonic() + seconds
+        while not condition():
+            assert run.poll() is None, f"the run ended before {what}: restarts with {sizes}"
+            assert time.monotonic() < deadline, f"no {what} in {seconds} s: restarts with {sizes}"
+            time.sleep(0.2)
+
+    try:
+        wait_until(lambda: sizes == [4], "start on 4 ranks")
+        time.sleep(3)  # some training on both nodes
+        hosts.write_text("node1:2\n")
+        wait_until(lambda: sizes[-1] == 2, "restart on node1's 2 ranks")
+        assert run.wait(timeout=300) == 0
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    summary = read_json(metrics)
+    assert summary["world_size"] == 2 and summary["steps"] == 12 * (8192 // 128) and sizes == [4, 2], sizes
+
+
 # The launcher must notice a node that stopped answering: Open MPI's daemons (orted) keep a TCP
 # connection to mpirun, idle while training runs, and by default probe it only after 300 s.
 FAST_KEEPALIVE = dict(OMPI_MCA_oob_tcp_keepalive_time="10", OMPI_MCA_oob_tcp_keepalive_intvl="5",
                       OMPI_MCA_oob_tcp_keepalive_probes="3")
 
 
-@pytest.mark.parametrize("fault", ["partition", "node killed"])  # in this order: a killed node is gone for good
+# Last in this file, "node killed" last: a killed node is gone for good.
+@pytest.mark.parametrize("fault", ["partition", "node killed"])
 def test_losing_a_node_ends_the_job_and_the_survivor_resumes(cluster, shared, fault):
     """node2's link cut, or every process of node2 killed: the job ends within 60 s naming node2,
     nothing is left running, and node1 alone resumes from the last checkpoint."""

@@ -59,6 +59,8 @@ def flags(*args):
     return lambda tmp_path: list(args)
 
 
+# Flag values the configuration rejects before Horovod starts have their unit tests (test_config.py);
+# two of them stand here for the whole path, launcher to exit statuses.
 BAD_INPUT = {
     "missing data directory": (lambda t: ["--data-dir", t / "nowhere"], "no such directory"),
     "truncated IDX file": (damaged_idx(IMAGES, np.zeros((256, 4, 4)), cut=100), "truncated"),
@@ -66,13 +68,9 @@ BAD_INPUT = {
     "image/label count mismatch": (damaged_idx(LABELS, np.zeros(255)), "256 images but 255 labels"),
     "label out of range": (damaged_idx(LABELS, np.full(256, 12)), "label 12 is out of range"),
     "batch size 0": (flags("--batch-size", 0), "--batch-size must be at least 1"),
-    "negative batch size": (flags("--batch-size", -4), "--batch-size must be at least 1"),
     "batch larger than a shard": (flags("--train-examples", 256, "--batch-size", 200), "larger than a rank's shard"),
     "more ranks than examples": (flags("--train-examples", 1), "2 ranks but only 1 training examples"),
     "unknown model": (flags("--model", "resnet50"), "invalid choice: 'resnet50'"),
-    "unknown dataset": (flags("--dataset", "imagenet"), "invalid choice: 'imagenet'"),
-    "epochs 0": (flags("--epochs", 0), "--epochs must be at least 1"),
-    "negative learning rate": (flags("--lr", -0.1), "--lr must be a positive number"),
     "resume with another model's checkpoint": (checkpoint_of_another_model, "does not fit this model"),
     "resume with no checkpoint": (lambda t: ["--checkpoint-dir", t / "empty", "--resume"], "no readable checkpoint"),
     "checkpoint index pointing outside the directory": (checkpoint_index_pointing_outside, "no readable checkpoint"),

@@ -2,6 +2,7 @@
 import os
 import re
 import subprocess
+import time
 
 import pytest
 
@@ -24,16 +25,29 @@ def slurm(tmp_path_factory):
         subprocess.run([CLUSTER, "down"], env=env, timeout=60)
 
 
-def submit(slurm, tmp_path, launcher, *args):
-    """sbatch --wait the real job script; returns (job state, job output)."""
-    output = tmp_path / "job.out"
-    job = subprocess.run(["sbatch", "--parsable", "--wait", f"--output={output}", "--ntasks-per-node=2",
-                          str(ROOT / "run" / "slurm" / "train.sbatch"), *map(str, args)],
-                         cwd=ROOT, env=dict(slurm, LAUNCHER=launcher), capture_output=True, text=True, timeout=240)
+def run_job(env, *sbatch_args, timeout=240):
+    """Submit a batch job and wait for it to end (polled every half second: sbatch --wait polls
+    every 10 s or so); its final state."""
+    job = subprocess.run(["sbatch", "--parsable", *map(str, sbatch_args)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
     job_id = job.stdout.strip().split(";")[0]
     assert job_id.isdigit(), job.stderr
-    info = subprocess.run(["scontrol", "show", "job", job_id], env=slurm, capture_output=True, text=True).stdout
-    return re.search(r"JobState=(\w+)", info).group(1), output.read_text()
+    deadline = time.monotonic() + timeout
+    while True:
+        info = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+        state = re.search(r"JobState=(\w+)", info).group(1)
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            return state
+        assert time.monotonic() < deadline, f"job {job_id} still {state} after {timeout} s"
+        time.sleep(0.5)
+
+
+def submit(slurm, tmp_path, launcher, *args):
+    """The real job script on 2 tasks; returns (job state, job output)."""
+    output = tmp_path / "job.out"
+    state = run_job(dict(slurm, LAUNCHER=launcher), f"--output={output}", "--ntasks-per-node=2",
+                    ROOT / "run" / "slurm" / "train.sbatch", *args)
+    return state, output.read_text()
 
 
 @pytest.mark.parametrize("launcher", ["srun", "mpirun", "horovodrun"])
