@@ -12,6 +12,7 @@ import pytest
 from conftest import (PYTHON, ROOT, assert_same_weights, output_lines, read_json, reported_accuracy, saved_weights, succeeded,
                       train_and_save)
 from hvd_sgd import launchers
+from test_reliability import checkpoint_from_step, ended_within, start_and_wait
 from test_slurm import run_job
 
 pytestmark = pytest.mark.multinode
@@ -46,11 +47,16 @@ def shared(cluster, request):
     return path
 
 
-def on_node(cluster, node, command, timeout=300, extra_env=None, **popen):
-    """Run ``command`` on ``node`` (a shell there, in the project directory)."""
-    full = [CLUSTER, "exec", node, *map(str, command)]
+def node_command(cluster, node, command, extra_env=None):
+    """``command`` on ``node`` (in the project directory there): the command line and its environment."""
     env = launchers.environment(**{k: cluster[k] for k in ("HVD_SGD_CLUSTER_DIR", "HVD_SGD_CLUSTER_NET",
                                                              "HVD_SGD_CLUSTER_PREFIX")}, **(extra_env or {}))
+    return [CLUSTER, "exec", node, *map(str, command)], env
+
+
+def on_node(cluster, node, command, timeout=300, extra_env=None, **popen):
+    """Run ``command`` on ``node``: to its end, or (given Popen arguments) in the background."""
+    full, env = node_command(cluster, node, command, extra_env)
     if popen:
         return subprocess.Popen(full, cwd=ROOT, env=env, text=True, **popen)
     return subprocess.run(full, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -133,26 +139,12 @@ LONG = ["--model", "mlp", "--train-examples", 8192, "--test-examples", 500, "--b
 
 
 def start_long_run(cluster, shared, *args, env=None, np_=4, hosts=HOSTS):
-    """A long run across both nodes, returned once its first checkpoints are there."""
+    """A long run across both nodes, returned once its first checkpoint is there."""
     checkpoints = shared / "ckpt"
-    run = on_node(cluster, "node1", [*across("horovodrun", np_, hosts), PYTHON, "-m", "hvd_sgd.train", *LONG,
-                                     "--checkpoint-dir", checkpoints, *args],
-                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, extra_env=env)
-    deadline = time.monotonic() + 180
-    while not list(checkpoints.glob("ckpt-*.index")):
-        assert run.poll() is None, ("the run ended early", run.communicate())
-        assert time.monotonic() < deadline, "no checkpoint in 180 s"
-        time.sleep(0.5)
-    return run, checkpoints
-
-
-def ended_within(run, seconds):
-    try:
-        stdout, stderr = run.communicate(timeout=seconds)
-        return run.returncode, stdout, stderr
-    except subprocess.TimeoutExpired:
-        os.killpg(run.pid, signal.SIGKILL)
-        pytest.fail(f"the job did not end within {seconds} s")
+    command, environment = node_command(cluster, "node1", [*across("horovodrun", np_, hosts), PYTHON, "-m",
+                                                           "hvd_sgd.train", *LONG, "--checkpoint-dir", checkpoints,
+                                                           *args], env)
+    return start_and_wait(command, checkpoint_from_step(checkpoints, 1), 180, environment), checkpoints
 
 
 def rank_pids_on(cluster, node):
