@@ -44,12 +44,14 @@ class Watchdog:
         """``timeout`` None: a watchdog that watches nothing (elastic mode handles lost workers)."""
         self.timeout = timeout
         self.rank, self.size, self.host = world.rank, world.size, socket.gethostname()
-        self.directory = os.path.join(heartbeat_root(), f"hvd_sgd-heartbeat-{world.job_token}")
+        self.job_token = world.job_token
         self.step, self.last_progress = 0, time.monotonic()
 
     def start(self):
-        """From here to the end of the process; the heartbeat files go at exit."""
+        """From here to the end of the process; the heartbeat files go at exit. A watchdog that
+        watches nothing touches no directory."""
         if self.timeout is not None:
+            self.directory = os.path.join(heartbeat_root(), f"hvd_sgd-heartbeat-{self.job_token}")
             os.makedirs(self.directory, exist_ok=True)
             atexit.register(shutil.rmtree, self.directory, ignore_errors=True)
             threading.Thread(target=self._run, name="hvd_sgd-watchdog", daemon=True).start()
