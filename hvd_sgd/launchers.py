@@ -15,19 +15,23 @@ def environment(**extra):
             "PYTHONUNBUFFERED": "1", **extra}
 
 
-def command(launcher, np_, module, args=(), before_program=()):
+def command(launcher, np_, module, args=(), before_program=(), hosts=None):
     """``python -m module args`` on ``np_`` ranks under ``launcher`` (one of LAUNCHERS).
 
     ``before_program`` (mpirun only): mpirun options, or a wrapper command, placed before the program.
+    ``hosts``: the ranks' hosts, as ``-H`` takes them (``node1:2,node2:2``); none: this host.
     """
     program = [sys.executable, "-m", module, *map(str, args)]
     if launcher == "python":
-        assert np_ == 1, "plain python runs one rank"
+        assert np_ == 1 and not hosts, "plain python runs one rank, here"
         return program
     if launcher == "mpirun":
-        return [shutil.which("mpirun"), "-np", str(np_), "--oversubscribe", *before_program, *program]
+        # mpirun passes its environment to the ranks on its own host only: -x to the others.
+        across = ["-H", hosts, "-x", "PYTHONUNBUFFERED"] if hosts else []
+        return [shutil.which("mpirun"), "-np", str(np_), "--oversubscribe", *across, *before_program, *program]
+    across = ["-H", hosts] if hosts else []
     gloo = ["--gloo"] if launcher == "horovodrun-gloo" else []
-    return [venv_bin("horovodrun"), "-np", str(np_), *gloo, *program]
+    return [venv_bin("horovodrun"), "-np", str(np_), *across, *gloo, *program]
 
 
 def venv_bin(name):

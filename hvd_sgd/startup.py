@@ -8,7 +8,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import secrets
 import sys
 
 import tensorflow as tf
@@ -49,17 +48,19 @@ def main_guard(main, prog):
     """Run ``main``; a JobError becomes one line on stderr from the first rank and exit status 1 on all.
 
     So does Horovod's own shutdown when another rank failed: the launcher names that rank, and the
-    survivors need not add a traceback each.
+    survivors need not add a traceback each. A stop on a signal is one line too, and its own status.
     """
+    from hvd_sgd.preemption import EXIT_STOPPED, Stopped
     try:
         main()
     except Exception as e:
         if not isinstance(e, JobError) and "Horovod has been shut down" not in str(e):
             raise
+        stopped = isinstance(e, Stopped)
         if launch_rank() == 0:
             first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            print(f"{prog}: error: {first_line}", file=sys.stderr, flush=True)
-        sys.exit(1)
+            print(f"{prog}: {'' if stopped else 'error: '}{first_line}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_STOPPED if stopped else 1)
 
 
 def check_versions():
@@ -88,10 +89,7 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     check_versions()
     os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, int(stall_timeout) // 2)))
     os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(1, int(stall_timeout))))
-    # Open MPI busy-polls inside MPI calls, and Horovod's background thread negotiates through MPI
-    # every cycle: a rank waiting for a slower one would spin on the cores its TensorFlow threads
-    # need (docs/benchmarks.md, "What was tuned").
-    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    yield_when_idle()
     os.environ.setdefault("HOROVOD_CYCLE_TIME", _cycle_time_ms())
     if hvd is None:
         raise JobError(f"Horovod's TensorFlow extension does not load ({_HOROVOD_IMPORT_ERROR}): "
@@ -114,9 +112,16 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     threads = threads_per_rank or cpu_share
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
-    job_token = hvd.broadcast_object(secrets.token_hex(8) if hvd.rank() == 0 else None, root_rank=0)
     from hvd_sgd.world import World  # imports Horovod's extension: only once it is known to load
-    return World(device, threads, job_token)
+    return World(device, threads)
+
+
+def yield_when_idle():
+    """Before MPI starts: Open MPI busy-polls inside MPI calls, and Horovod's background thread
+    negotiates through MPI every cycle, so a rank waiting for a slower one would spin on the cores
+    its TensorFlow threads need (docs/benchmarks.md, "What was tuned"); across hosts, spinning
+    ranks also hold off the kernel's network work on those cores (docs/multi-node.md)."""
+    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 
 def _cycle_time_ms():

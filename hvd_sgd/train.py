@@ -19,7 +19,8 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError, __version__, batches, checkpoint, config, datasets, files, models, schedules, startup
+from hvd_sgd import (JobError, __version__, batches, checkpoint, config, datasets, files, models, preemption, schedules,
+                     startup)
 from hvd_sgd.watchdog import Watchdog
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -28,7 +29,7 @@ LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 def main(argv=None):
     cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=startup.launch_rank() == 0)
     world = startup.start(cfg.threads_per_rank, cfg.stall_timeout, cfg.bind_cpus)
-    with world.agreement():  # a rank that cannot read the data, or import the model, stops them all
+    with _together(world, cfg):  # a rank that cannot read the data, or import the model, stops them all
         splits = datasets.load(cfg.dataset, cfg.data_dir).subset(cfg.train_examples, cfg.test_examples)
         model_fn = models.resolve(cfg.model)
     fit(model_fn, splits, cfg, world)
@@ -41,12 +42,15 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     world = world or startup.start(cfg.threads_per_rank, cfg.stall_timeout, cfg.bind_cpus)
     import horovod.tensorflow as hvd  # its extension loads: startup.start checked it does
     watchdog = Watchdog(world, None if cfg.elastic else cfg.stall_timeout).start()  # a frozen rank ends the job
+    # A signal stops every rank after the same step, with a checkpoint of it. Elastic mode: a
+    # signalled worker is a lost one, and the others go on.
+    stop = None if cfg.elastic else preemption.StopRequest(grace=cfg.stall_timeout).install()
     world.log(f"hvd_sgd: {world.size} rank(s) on {world.device}, {world.threads} thread(s) each, "
               f"model {getattr(model_fn, '__name__', cfg.model)}")
 
     # 2. Data: every rank holds the same splits and takes its own slice of each global batch.
     #    An epoch is this many steps for the whole run, even if an elastic job changes size.
-    with world.agreement():
+    with _together(world, cfg):
         steps_per_epoch = batches.steps_per_epoch(len(splits.x_train), cfg.batch_size, world.size,
                                                   cfg.backward_passes_per_step)
         if world.is_chief:  # rank 0 writes the outputs: find out now, not after training, if it cannot
@@ -56,16 +60,14 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
         if cfg.elastic and os.environ.get("HOROVOD_ELASTIC") != "1":
             raise JobError("--elastic needs horovodrun's elastic mode: horovodrun -np N --min-np MIN --max-np MAX "
                            "--host-discovery-script run/discover-hosts python -m hvd_sgd.train --elastic")
-    total_steps = min(cfg.epochs * steps_per_epoch, cfg.max_steps or math.inf)
+    total_steps, warmup_steps, decay_steps = _step_plan(cfg, steps_per_epoch)
     watchdog.progress()
 
     # 3. Scale the learning rate with the global batch (ranks x backward passes), ramping up to it
     #    over the warm-up epochs; decay it over --epochs (not --max-steps).
     passes = cfg.backward_passes_per_step
     lr = schedules.WarmupCosine(cfg.lr, passes if cfg.lr_scaling else 1, cfg.lr_scaling,
-                                warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
-                                decay_steps=cfg.epochs * steps_per_epoch if cfg.lr_decay == "cosine" else 0,
-                                backward_passes_per_step=passes)
+                                warmup_steps, decay_steps, backward_passes_per_step=passes)
 
     # 4. Wrap SGD in hvd.DistributedOptimizer: its gradients are the average over all ranks (and
     #    over the backward passes of a step: it all-reduces once, after the last).
@@ -80,29 +82,35 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
 
     # 5. Every rank starts from rank 0's variables: its initial ones, or its latest checkpoint.
     checkpoints = None
-    with world.agreement():
+    with _together(world, cfg):
         if world.is_chief and cfg.checkpoint_dir:  # rank 0 alone reads and writes checkpoints
-            checkpoints = checkpoint.Checkpoints(cfg.checkpoint_dir, cfg.resume, world.log,
+            # Slurm requeued this job (after a stop, a node failure, preemption): --resume is implied.
+            requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
+            checkpoints = checkpoint.Checkpoints(cfg.checkpoint_dir, cfg.resume or requeued, world.log,
                                                  cfg.batch_size * passes * world.size,
                                                  model=model, optimizer=optimizer, step=step)
-            if cfg.resume:
+            if cfg.resume or (requeued and checkpoints.manager.checkpoints):
+                if not cfg.resume:
+                    world.log(f"Slurm requeued job {os.environ.get('SLURM_JOB_ID')} (restart "
+                              f"{os.environ['SLURM_RESTART_COUNT']}): resuming, as --resume would")
                 checkpoints.restore_latest()
     state = model.variables + optimizer.variables + [step]
-    hvd.broadcast_variables(state, root_rank=0)
-    world.check_identical(state, "after the broadcast")
+    if not cfg.elastic:  # elastic: hvd.elastic.run broadcasts rank 0's state at every (re)start
+        hvd.broadcast_variables(state, root_rank=0)
+        world.check_identical(state, "after the broadcast")
     watchdog.progress()
 
     # 6. Train. The data order depends on (seed, epoch, global batch) only, so a resumed run
     #    sees exactly the batches the uninterrupted run would have seen.
-    trainer = Trainer(world, cfg, splits, model, optimizer, step, lr, checkpoints, steps_per_epoch, total_steps)
-    result = _train_elastically(trainer) if cfg.elastic else trainer.run(watchdog.progress)
+    trainer = Trainer(world, cfg, splits, model, optimizer, step, lr, checkpoints, steps_per_epoch, total_steps, stop)
+    result = _train_elastically(trainer, state) if cfg.elastic else trainer.run(watchdog.progress)
     checksums = world.check_identical(state, "at the end")
     placement = hvd.allgather_object(world.placement())  # where each rank ran: host, local rank, …
 
     # 7. Finish: the ranks agree bit for bit (above); rank 0 writes the model and the summary.
     if result is None:  # resumed at the last step: nothing was left to train
         result = world.evaluate(model, trainer.test_batches)
-    steps_done = int(step.numpy())
+    steps_done, steps_per_epoch = int(step.numpy()), trainer.steps_per_epoch
     summary = dict(
         test_accuracy=result["accuracy"], test_loss=result["loss"], epochs=steps_done / steps_per_epoch,
         steps=steps_done, steps_per_epoch=steps_per_epoch, world_size=world.size, per_rank_batch=cfg.batch_size,
@@ -122,17 +130,37 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     return summary
 
 
+def _together(world, cfg):
+    """A block whose JobError on any rank stops every rank (world.agreement). Not in elastic mode:
+    a worker that joins mid-run first meets the others in the broadcast that (re)starts training,
+    so no rank may enter a collective before it; a worker failing a check alone leaves the job."""
+    return contextlib.nullcontext() if cfg.elastic else world.agreement()
+
+
+def _step_plan(cfg, steps_per_epoch):
+    """The run's last step, and the schedule's warm-up and decay lengths, in steps."""
+    return (min(cfg.epochs * steps_per_epoch, cfg.max_steps or math.inf), round(cfg.warmup_epochs * steps_per_epoch),
+            cfg.epochs * steps_per_epoch if cfg.lr_decay == "cosine" else 0)
+
+
 class Trainer:
     """The training loop, from the current global step to the last, on the ranks of the moment."""
 
-    def __init__(self, world, cfg, splits, model, optimizer, step, lr, checkpoints, steps_per_epoch, total_steps):
+    def __init__(self, world, cfg, splits, model, optimizer, step, lr, checkpoints, steps_per_epoch, total_steps,
+                 stop=None):
         self.world, self.cfg, self.splits, self.model, self.step, self.lr = world, cfg, splits, model, step, lr
         self.checkpoints, self.steps_per_epoch, self.total_steps = checkpoints, steps_per_epoch, total_steps
-        self.train_step = _make_train_step(model, optimizer, step, cfg.backward_passes_per_step)
+        self.stop = stop
+        self.train_step = _make_train_step(model, optimizer, step, cfg.backward_passes_per_step, stop)
         self.test_batches = batches.test_batches(splits)
         self.clock = StepClock()
         # TensorBoard files, like every file, are rank 0's.
         self.summaries = tf.summary.create_file_writer(cfg.log_dir) if world.is_chief and cfg.log_dir else None
+
+    def set_steps_per_epoch(self, steps_per_epoch):
+        """Before the first step only (the schedule's lengths are traced into the step)."""
+        self.steps_per_epoch = steps_per_epoch
+        self.total_steps, self.lr.warmup_steps, self.lr.decay_steps = _step_plan(self.cfg, steps_per_epoch)
 
     def global_batch(self):
         return self.cfg.batch_size * self.cfg.backward_passes_per_step * self.world.size
@@ -147,7 +175,7 @@ class Trainer:
         self.clock.start(first)
         result = None
         for _ in range(first, self.total_steps):
-            loss = self.train_step(batch_iterator)
+            loss, stop_requested = self.train_step(batch_iterator)
             n = int(self.step.numpy())
             after_step(n)
             self.clock.step_done(self.global_batch())
@@ -158,12 +186,23 @@ class Trainer:
                 self._log_progress(n, loss)
             if last_step or epoch_end:
                 result = self._evaluate(n)
-            if checkpoint_due:
+            # The ranks compare stop requests every few steps (reading it costs a copy from the device).
+            stop_now = n % preemption.CHECK_EVERY_STEPS == 0 and bool(stop_requested)
+            if checkpoint_due or stop_now:
                 self._save_checkpoint(n)
+            if stop_now:  # the all-reduced request: every rank stops after this same step
+                raise preemption.Stopped(self._where_stopped(n))
             if result and self.cfg.target_accuracy and result["accuracy"] >= self.cfg.target_accuracy:
                 self.world.log(f"Reached --target-accuracy {self.cfg.target_accuracy} at step {n}")
                 break  # every rank has the same result, so every rank stops here
         return result
+
+    def _where_stopped(self, n):
+        how = f"on {self.stop.signal}" if self.stop.signal else "on a signal to another rank"
+        if not self.cfg.checkpoint_dir:
+            return f"stopped {how} at step {n}/{self.total_steps}; no --checkpoint-dir, so nothing was saved"
+        return (f"stopped {how} at step {n}/{self.total_steps}, checkpoint saved in {self.cfg.checkpoint_dir}: "
+                f"the same command with --resume continues")
 
     def _log_progress(self, n, loss):
         import horovod.tensorflow as hvd
@@ -196,11 +235,15 @@ class Trainer:
                 self.checkpoints.save(n)
 
 
-def _train_elastically(trainer):
+def _train_elastically(trainer, variables):
     """Workers may leave or join: Horovod rolls every rank back to the last commit, restarts the
-    loop with the new set of ranks, and broadcasts the committed state from the new rank 0."""
+    loop with the new set of ranks, and broadcasts the committed state from the new rank 0.
+
+    The epoch's length in steps is the job's from its first start: a worker that joins later, at
+    another size, takes it from rank 0 (it has not traced its training step yet)."""
     import horovod.tensorflow as hvd
-    state = hvd.elastic.TensorFlowKerasState(trainer.model, trainer.model.optimizer, step=int(trainer.step.numpy()))
+    state = hvd.elastic.TensorFlowKerasState(trainer.model, trainer.model.optimizer, step=int(trainer.step.numpy()),
+                                             steps_per_epoch=trainer.steps_per_epoch)
 
     def commit(n):
         state.step = n
@@ -210,15 +253,19 @@ def _train_elastically(trainer):
     @hvd.elastic.run
     def train(state):
         trainer.step.assign(state.step)
+        if state.steps_per_epoch != trainer.steps_per_epoch:
+            trainer.set_steps_per_epoch(state.steps_per_epoch)
+        trainer.world.check_identical(variables, "after the (re)start")
         trainer.world.log(f"hvd_sgd: elastic (re)start at step {state.step} with {trainer.world.size} rank(s)")
         return trainer.run(commit)
 
     return train(state)
 
 
-def _make_train_step(model, optimizer, step, backward_passes):
+def _make_train_step(model, optimizer, step, backward_passes, stop):
     @tf.function
     def train_step(batch_iterator):
+        """The step's loss, and whether any rank has been asked to stop."""
         images, labels = next(batch_iterator)  # inside the graph, as Keras' fit does: no Python hop per batch
         losses = []
         # One micro-batch per backward pass: the optimizer accumulates, then all-reduces and applies once.
@@ -227,7 +274,8 @@ def _make_train_step(model, optimizer, step, backward_passes):
                 losses.append(LOSS(micro_labels, model(micro_images, training=True)))
             optimizer.minimize(losses[-1], model.trainable_variables, tape=tape)
         step.assign_add(1)
-        return tf.add_n(losses) / backward_passes
+        with tf.control_dependencies(losses):  # asked once the forward pass is done, beside the gradients
+            return tf.add_n(losses) / backward_passes, stop.agreed(step) if stop else tf.constant(False)
 
     return train_step
 

@@ -13,6 +13,7 @@ for that rank too. So each rank runs a thread that
 """
 import atexit
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -44,14 +45,15 @@ class Watchdog:
         """``timeout`` None: a watchdog that watches nothing (elastic mode handles lost workers)."""
         self.timeout = timeout
         self.rank, self.size, self.host = world.rank, world.size, socket.gethostname()
-        self.job_token = world.job_token
         self.step, self.last_progress = 0, time.monotonic()
 
     def start(self):
         """From here to the end of the process; the heartbeat files go at exit. A watchdog that
-        watches nothing touches no directory."""
+        watches nothing touches no directory. Starting one is a collective (the job's name)."""
         if self.timeout is not None:
-            self.directory = os.path.join(heartbeat_root(), f"hvd_sgd-heartbeat-{self.job_token}")
+            import horovod.tensorflow as hvd  # loaded by now: startup.start checked it
+            job = hvd.broadcast_object(secrets.token_hex(8) if self.rank == 0 else None, root_rank=0)
+            self.directory = os.path.join(heartbeat_root(), f"hvd_sgd-heartbeat-{job}")
             os.makedirs(self.directory, exist_ok=True)
             atexit.register(shutil.rmtree, self.directory, ignore_errors=True)
             threading.Thread(target=self._run, name="hvd_sgd-watchdog", daemon=True).start()

@@ -21,7 +21,6 @@ class World:
     mode they change when workers leave or join."""
     device: str
     threads: int
-    job_token: str
 
     @property
     def rank(self):

@@ -191,20 +191,16 @@ def test_a_checkpoint_directory_in_use_on_one_node_is_refused_on_the_other(clust
     assert len(lines) == 1 and "is in use by another run (host node1, pid" in lines[0], second.stderr[-3000:]
 
 
-ELASTIC = ["--model", "mlp", "--train-examples", 8192, "--test-examples", 1000, "--batch-size", 32, "--epochs", 12,
+ELASTIC = ["--model", "mlp", "--train-examples", 8192, "--test-examples", 1000, "--batch-size", 32, "--epochs", 40,
            "--threads-per-rank", 1, "--log-every-steps", 20, "--elastic"]
 
 
-def test_elastic_training_goes_on_without_a_node(cluster, shared):
-    """node2 leaves the discovery output mid-run: node1's ranks go on to the end. (Taking node2 back
-    when it returns is not shown yet: Horovod did not restart on it within 180 s, even with the
-    blacklist cool-down below.)"""
+def test_elastic_training_goes_on_without_a_node_and_takes_it_back(cluster, shared):
+    """node2 leaves the discovery output mid-run: node1's ranks go on; node2 comes back: its new
+    workers join, and the 4 ranks finish every step of the run."""
     hosts, metrics = shared / "hosts", shared / "m.json"
     hosts.write_text("node1:2\nnode2:2\n")
-    # A removed host's workers end with an error, and Horovod blacklists such a host: for good,
-    # unless a cool-down lets it back.
     command = [launchers.venv_bin("horovodrun"), "-np", 4, "--min-np", 2, "--max-np", 4,
-               "--blacklist-cooldown-range", 1, 2,
                "--host-discovery-script", ROOT / "run" / "discover-hosts", PYTHON, "-m", "hvd_sgd.train", *ELASTIC,
                "--metrics-file", metrics]
     run = on_node(cluster, "node1", command, extra_env=dict(HVD_SGD_HOSTS_FILE=str(hosts)),
@@ -231,19 +227,36 @@ def test_elastic_training_goes_on_without_a_node(cluster, shared):
         time.sleep(3)  # some training on both nodes
         hosts.write_text("node1:2\n")
         wait_until(lambda: sizes[-1] == 2, "restart on node1's 2 ranks")
+        hosts.write_text("node1:2\nnode2:2\n")
+        wait_until(lambda: sizes[-1] == 4, "restart with node2 back")
         assert run.wait(timeout=300) == 0
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
     reader.join(timeout=10)
     summary = read_json(metrics)
-    assert summary["world_size"] == 2 and summary["steps"] == 12 * (8192 // 128) and sizes == [4, 2], sizes
+    assert summary["world_size"] == 4 and summary["steps"] == 40 * (8192 // 128) and sizes == [4, 2, 4], sizes
+    assert sorted(rank["host"] for rank in summary["ranks"]) == ["node1", "node1", "node2", "node2"]
 
 
 # The launcher must notice a node that stopped answering: Open MPI's daemons (orted) keep a TCP
 # connection to mpirun, idle while training runs, and by default probe it only after 300 s.
 FAST_KEEPALIVE = dict(OMPI_MCA_oob_tcp_keepalive_time="10", OMPI_MCA_oob_tcp_keepalive_intvl="5",
                       OMPI_MCA_oob_tcp_keepalive_probes="3")
+
+
+def test_the_network_suite_measures_across_two_nodes_of_its_own_cluster(tmp_path):
+    """The bench's network suite, quick, on a 1 Gbit/s link: it brings its own cluster up and down
+    and reports all-reduce bandwidth and training efficiency across the nodes (figures, not timings)."""
+    bench = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--quick", "--suites", "network", "--links", "1gbit",
+                            "--results-dir", tmp_path], capture_output=True, text=True, timeout=600)
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    row = read_json(tmp_path / "results.json")["suites"]["network"]["1gbit"]
+    allreduce = row["allreduce"]["mpi"]
+    assert len(allreduce["horovod"]) == len(allreduce["mpi4py"]) == len(allreduce["sizes"]) > 0
+    assert min(allreduce["horovod"] + allreduce["mpi4py"]) > 0 and 0 < row["softmax"]["ratio"]
+    assert (tmp_path / "network_1gbit.png").exists() and "## network" in (tmp_path / "results.md").read_text()
+    assert not (tmp_path / "cluster" / "nodes").exists()  # taken down
 
 
 # Last in this file, "node killed" last: a killed node is gone for good.

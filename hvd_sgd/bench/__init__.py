@@ -11,8 +11,10 @@ ratios: this machine is shared and noisy, so absolute times mean little.
 3. peer       hvd_sgd on 2 ranks vs tf.distribute.MultiWorkerMirroredStrategy with 2 workers
 4. allreduce  bus bandwidth of hvd.allreduce (MPI and Gloo controllers) vs mpi4py's Allreduce
 5. tta        wall time for the CNN to reach the target test accuracy with 1 and 2 ranks
+6. network    (not by default: root) across 2 nodes of run/cluster, links unshaped, 10 and 1 Gbit/s:
+              all-reduce as in 4, and hvd_sgd on 2 nodes vs two independent processes as in 2
 
 Modules: ``contenders`` starts each contender as its own process tree, ``workers`` is what
 those processes run (``python -m hvd_sgd.bench worker KIND …``), ``protocol`` is how they
-report, ``suites`` pairs and repeats them, ``report`` writes results.json, results.md and plots.
+report, ``suites`` pairs and repeats them, ``network`` runs them across nodes, ``report`` writes results.json, results.md and plots.
 """

@@ -3,7 +3,7 @@ import argparse
 import sys
 import time
 
-from hvd_sgd.bench import __doc__, protocol, report, suites
+from hvd_sgd.bench import __doc__, network, protocol, report, suites
 
 
 def main(argv=None):
@@ -17,18 +17,24 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="every suite small enough to finish in under 3 minutes")
     parser.add_argument("--results-dir", default="results/bench",
                         help="where results.json, results.md and the PNG plots go")
-    parser.add_argument("--suites", default=",".join(suites.SUITES),
-                        help=f"comma-separated, from {','.join(suites.SUITES)}")
+    parser.add_argument("--suites", default=",".join(suites.DEFAULT_SUITES),
+                        help=f"comma-separated, from {','.join(suites.SUITES)} (network: as root, on a virtual "
+                             f"cluster of 2 nodes that it starts and stops)")
+    parser.add_argument("--links", default=",".join(network.LINKS),
+                        help=f"the network suite's links, from {','.join(network.LINKS)}")
     parser.add_argument("--rounds", type=int,
                         help="times each pair of contenders runs, alternating (default 3; 1 with --quick)")
     args = parser.parse_args(argv)
     chosen = tuple(args.suites.split(","))
     if not set(chosen) <= set(suites.SUITES):
         parser.error(f"--suites: unknown {sorted(set(chosen) - set(suites.SUITES))}")
+    links = tuple(args.links.split(","))
+    if not set(links) <= set(network.LINKS):
+        parser.error(f"--links: unknown {sorted(set(links) - set(network.LINKS))}")
     rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
     if rounds < 1:
         parser.error(f"--rounds must be at least 1, got {rounds}")
-    plan = suites.Plan(args.quick, args.results_dir, chosen, rounds)
+    plan = suites.Plan(args.quick, args.results_dir, chosen, rounds, links)
     started = time.perf_counter()
     results = suites.run(plan)
     results["seconds"] = time.perf_counter() - started

@@ -1,5 +1,6 @@
 """The contenders, each started as its own process tree; their images per second (or GB/s, seconds)."""
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -13,13 +14,30 @@ from hvd_sgd.bench import protocol
 GLOBAL_BATCH = {"softmax": 200, "cnn": 128}  # softmax: the seed's 100 per rank on 2 ranks
 
 
+@dataclasses.dataclass(frozen=True)
+class Nodes:
+    """Contenders across the nodes of a cluster, one rank per host of ``hosts``: launched on the
+    first node by the command prefix ``run_on_first``; files they write go under ``shared_dir``
+    (a node's /tmp is its own); ``mpirun_options`` choose the cluster's network."""
+    run_on_first: tuple
+    hosts: str
+    mpirun_options: tuple
+    shared_dir: str
+
+    def command(self, launcher, np_, module, args):
+        return [*self.run_on_first, *launchers.command(launcher, np_, module, args, self.mpirun_options, self.hosts)]
+
+
 def _start(command, threads, **env):
     return subprocess.Popen(list(map(str, command)), env=launchers.environment(OMP_NUM_THREADS=str(threads), **env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _worker(launcher, np_, kind, *args):
-    return launchers.command(launcher, np_, "hvd_sgd.bench", protocol.worker_args(kind, *args))
+def _worker(launcher, np_, kind, *args, nodes=None):
+    worker_args = protocol.worker_args(kind, *args)
+    if nodes:
+        return nodes.command(launcher, np_, "hvd_sgd.bench", worker_args)
+    return launchers.command(launcher, np_, "hvd_sgd.bench", worker_args)
 
 
 def _results(processes, timeout=900):
@@ -33,12 +51,13 @@ def _results(processes, timeout=900):
     return found
 
 
-def _train(np_, args, timeout=900):
+def _train(np_, args, timeout=900, nodes=None):
     """``hvd_sgd.train`` as a user runs it (horovodrun for 2+ ranks); its metrics file and wall seconds."""
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=nodes and nodes.shared_dir) as tmp:
         metrics = os.path.join(tmp, "m.json")
-        command = launchers.command("python" if np_ == 1 else "horovodrun", np_, "hvd_sgd.train",
-                                    [*args, "--metrics-file", metrics])
+        launcher, args = "python" if np_ == 1 else "horovodrun", [*args, "--metrics-file", metrics]
+        command = nodes.command(launcher, np_, "hvd_sgd.train", args) if nodes else launchers.command(
+            launcher, np_, "hvd_sgd.train", args)
         started = time.perf_counter()
         _results([_start(command, 1)], timeout)
         seconds = time.perf_counter() - started
@@ -46,10 +65,12 @@ def _train(np_, args, timeout=900):
             return json.load(f), seconds
 
 
-def hvd_sgd_throughput(np_, model, steps):
-    """hvd_sgd itself, as a user runs it: its own img/s figure."""
+def hvd_sgd_throughput(np_, model, steps, nodes=None):
+    """hvd_sgd itself, as a user runs it: its own img/s figure. Across ``nodes``, one thread per
+    rank: the nodes of a virtual cluster share this machine's cores."""
+    threads = ["--threads-per-rank", 1] if nodes else []
     metrics, _ = _train(np_, ["--model", model, "--batch-size", GLOBAL_BATCH[model] // np_, "--max-steps", steps,
-                              "--test-examples", 1000, "--log-every-steps", 10 ** 6])
+                              "--test-examples", 1000, "--log-every-steps", 10 ** 6, *threads], nodes=nodes)
     return metrics["images_per_second"]
 
 
@@ -67,12 +88,13 @@ def mwms_throughput(model, global_batch, steps, workers, threads):
     return _results(processes)[0]["images_per_second"]
 
 
-def allreduce_bandwidth(controller, sizes):
+def allreduce_bandwidth(controller, sizes, nodes=None):
     """hvd.allreduce under the given controller; raw MPI (mpi4py, in processes without Horovod) beside the MPI one."""
     sizes = ",".join(map(str, sizes))
     launcher = "mpirun" if controller == "mpi" else "horovodrun-gloo"
-    result = _results([_start(_worker(launcher, 2, "allreduce", "horovod", sizes), 1)])[0]
-    raw = _results([_start(_worker("mpirun", 2, "allreduce", "mpi4py", sizes), 1)])[0] if controller == "mpi" else {}
+    result = _results([_start(_worker(launcher, 2, "allreduce", "horovod", sizes, nodes=nodes), 1)])[0]
+    raw = _results([_start(_worker("mpirun", 2, "allreduce", "mpi4py", sizes, nodes=nodes), 1)])[0] \
+        if controller == "mpi" else {}
     return dict(sizes=result["sizes"], horovod=result["bandwidth"], mpi4py=raw.get("bandwidth", []),
                 mpi4py_fixed_buffers=raw.get("bandwidth_fixed", []))
 

@@ -42,16 +42,20 @@ def write(results, directory):
     for suite, rows in results["suites"].items():
         md += [f"## {suite}", ""]
         if suite == "allreduce":
-            md += ["Bus bandwidth, GB/s. Each all-reduce reduces the previous one's result; the last two columns "
-                   "reduce one cache-warm send buffer over and over (textbook loop, shown, not the target).", "",
-                   "| controller | size | hvd.allreduce | mpi4py Allreduce | ratio | mpi4py, fixed buffers | ratio |",
-                   "| --- | --- | --- | --- | --- | --- | --- |"]
-            for controller, r in rows.items():
-                for i, size in enumerate(r["sizes"]):
-                    ours = r["horovod"][i]
-                    versus = " | ".join(f"{r[k][i]:.3f} | {ours / r[k][i]:.2f}" if r[k] else "— | —"
-                                        for k in ("mpi4py", "mpi4py_fixed_buffers"))
-                    md.append(f"| {controller} | {_size(size)} | {ours:.3f} | {versus} |")
+            md += _allreduce_table(rows)
+        elif suite == "network":
+            md += ["2 nodes of run/cluster, 1 rank each. Efficiency: hvd_sgd on the 2 nodes over 2 independent "
+                   "processes (no all-reduce) on the same cores.", "",
+                   "| link | model | hvd_sgd 2 nodes img/s | 2 independent img/s | efficiency | per-round |",
+                   "| --- | --- | --- | --- | --- | --- |"]
+            for link, row in rows.items():
+                for model in (m for m in row if m != "allreduce"):
+                    r = row[model]
+                    ours, theirs = contender_names(r)
+                    md.append(f"| {link} | {model} | {r[ours]:.0f} | {r[theirs]:.0f} | {r['ratio']:.2f} | "
+                              f"{', '.join(f'{x:.2f}' for x in r['rounds']['ratio'])} |")
+            for link, row in rows.items():
+                md += ["", f"All-reduce across the nodes, link {link}:", "", *_allreduce_table(row["allreduce"])]
         elif suite == "tta":
             md += ["| ranks | target | seconds | epochs | final accuracy |", "| --- | --- | --- | --- | --- |"]
             md += [f"| {k[2:]} | {r['target']} | {r['seconds']:.0f} | {r['epochs']:.2f} | {r['accuracy']:.4f} |"
@@ -72,6 +76,20 @@ def write(results, directory):
         f.write("\n".join(md) + "\n")
     _plot(results, directory)
     return "\n".join(md)
+
+
+def _allreduce_table(rows):
+    lines = ["Bus bandwidth, GB/s. Each all-reduce reduces the previous one's result; the last two columns "
+             "reduce one cache-warm send buffer over and over (textbook loop, shown, not the target).", "",
+             "| controller | size | hvd.allreduce | mpi4py Allreduce | ratio | mpi4py, fixed buffers | ratio |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for controller, r in rows.items():
+        for i, size in enumerate(r["sizes"]):
+            ours = r["horovod"][i]
+            versus = " | ".join(f"{r[k][i]:.3f} | {ours / r[k][i]:.2f}" if r[k] else "— | —"
+                                for k in ("mpi4py", "mpi4py_fixed_buffers"))
+            lines.append(f"| {controller} | {_size(size)} | {ours:.3f} | {versus} |")
+    return lines
 
 
 def _size(n):
@@ -106,19 +124,23 @@ def _plot(results, directory):
         fig.tight_layout()
         fig.savefig(os.path.join(directory, "scaling_efficiency.png"))
         plt.close(fig)
-    if "allreduce" in results["suites"]:
+    allreduce = {"allreduce": results["suites"].get("allreduce")}
+    allreduce.update({f"network_{link}": row["allreduce"] for link, row in results["suites"].get("network", {}).items()})
+    for name, rows in allreduce.items():
+        if not rows:
+            continue
         fig, ax = plt.subplots(figsize=(6, 4))
-        for controller, r in results["suites"]["allreduce"].items():
+        for controller, r in rows.items():
             ax.plot(r["sizes"], r["horovod"], marker="o", label=f"hvd.allreduce ({controller} controller)")
             if r["mpi4py"]:
                 ax.plot(r["sizes"], r["mpi4py"], marker="s", linestyle="--", label="mpi4py Allreduce (raw MPI)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bytes")
         ax.set_ylabel("bus bandwidth, GB/s")
-        ax.set_title("all-reduce, 2 ranks")
+        ax.set_title(f"all-reduce, 2 ranks{', across 2 nodes, link ' + name[8:] if name != 'allreduce' else ''}")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(os.path.join(directory, "allreduce.png"))
+        fig.savefig(os.path.join(directory, f"{name}.png"))
         plt.close(fig)
 
 

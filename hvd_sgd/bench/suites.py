@@ -7,7 +7,8 @@ import statistics
 
 from hvd_sgd.bench import contenders
 
-SUITES = ("overhead", "scaling", "peer", "allreduce", "tta")
+SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "network")
+DEFAULT_SUITES = SUITES[:-1]  # network: needs root and a virtual cluster (run/cluster)
 MODELS = ("softmax", "cnn")
 # Each paired suite: hvd_sgd first, the contender it is measured against second (ratio = first / second).
 PAIRS = {
@@ -24,6 +25,7 @@ class Plan:
     results_dir: str
     suites: tuple
     rounds: int
+    links: tuple = ()  # the network suite's, from network.LINKS
 
     @property
     def allreduce_sizes(self):
@@ -39,6 +41,9 @@ def run(plan):
         if suite == "allreduce":
             results["suites"][suite] = {controller: contenders.allreduce_bandwidth(controller, plan.allreduce_sizes)
                                         for controller in ("mpi", "gloo")}
+        elif suite == "network":
+            from hvd_sgd.bench import network
+            results["suites"][suite] = network.run(plan, paired, {m: STEPS[m, plan.quick] for m in MODELS}, MODELS)
         elif suite == "tta":
             results["suites"][suite] = {f"np{n}": contenders.time_to_accuracy(n, plan.quick) for n in (1, 2)}
         else:

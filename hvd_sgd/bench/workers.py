@@ -111,6 +111,8 @@ def _horovod_loops():
 
 
 def _mpi4py_loops():
+    from hvd_sgd import startup
+    startup.yield_when_idle()  # as hvd_sgd's ranks do: both sides run MPI alike
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
 

@@ -1,0 +1,101 @@
+"""A signal stops the run cleanly: every rank after the same step, rank 0's checkpoint of exactly
+that step, one line, exit status 75; a second signal exits at once. The Slurm side (the job
+script's signal, requeue and implied resume) is in test_slurm."""
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import assert_same_weights, launch, output_lines, saved_weights, succeeded
+from hvd_sgd import launchers
+from hvd_sgd.preemption import EXIT_STOPPED
+from test_reliability import (LONG_RUN, checkpoint_from_step, ended_within, rank_process, start_and_wait,
+                              uninterrupted)
+
+pytestmark = pytest.mark.slow
+assert uninterrupted  # a fixture: LONG_RUN on 2 ranks under mpirun, to its end
+
+
+def latest_checkpoint_step(directory):
+    import tensorflow as tf
+    return int(tf.train.latest_checkpoint(str(directory)).rsplit("-", 1)[1])
+
+
+def stop_lines(stderr):
+    return [line for line in output_lines(stderr) if "hvd_sgd" in line and "stopped on" in line]
+
+
+# (launcher, ranks, signal, whom): how each launcher passes a signal on.
+#  - mpirun forwards SIGUSR1 to every rank; on SIGTERM it kills them 1 s later (enough here).
+#  - horovodrun over MPI runs mpirun under a shell: a terminal's Ctrl-C reaches the whole group.
+#  - horovodrun --gloo sends its workers SIGTERM on SIGTERM or SIGINT, and kills them 5 s later.
+CASES = [
+    ("python", 1, signal.SIGINT, "launcher"),
+    ("mpirun", 2, signal.SIGUSR1, "launcher"),
+    ("mpirun", 2, signal.SIGTERM, "rank 1"),
+    ("horovodrun", 2, signal.SIGINT, "process group"),
+    ("horovodrun-gloo", 2, signal.SIGTERM, "launcher"),
+]
+
+
+@pytest.mark.parametrize("launcher,np_,signum,whom", CASES, ids=[f"{c[0]}-{c[2].name}-{c[3]}" for c in CASES])
+def test_a_signal_stops_every_rank_after_the_same_step_with_its_checkpoint(launcher, np_, signum, whom, tmp_path,
+                                                                           uninterrupted):
+    checkpoints = tmp_path / "ckpt"
+    batch = ["--batch-size", 512] if np_ == 1 else []  # the global batch of 2 ranks x 256
+    run = start_and_wait(launchers.command(launcher, np_, "hvd_sgd.train",
+                                           [*LONG_RUN, *batch, "--max-steps", 100000, "--checkpoint-dir", checkpoints]),
+                         checkpoint_from_step(checkpoints, 100), timeout=120)
+    if whom == "launcher":
+        run.send_signal(signum)
+    elif whom == "process group":  # the run's own (start_new_session), as a terminal's Ctrl-C reaches it
+        os.killpg(run.pid, signum)
+    else:
+        rank_process(psutil.Process(run.pid), 1).send_signal(signum)
+    signalled = time.monotonic()
+    status, stdout, stderr = ended_within(run, 60)
+    assert time.monotonic() - signalled < 10, "the stop took 10 s or more"
+    [line] = stop_lines(stderr)
+    stopped_at = int(line.split(" at step ")[1].split("/")[0])
+    assert latest_checkpoint_step(checkpoints) == stopped_at, line
+    assert f"checkpoint saved in {checkpoints}: the same command with --resume continues" in line
+    # horovodrun --gloo reports its workers' non-zero exit with a traceback of its own; no rank has one.
+    ranks_output = stderr if launcher != "horovodrun-gloo" else "\n".join(
+        line for line in stderr.splitlines() if line.startswith("["))
+    assert "Traceback" not in ranks_output, stderr[-3000:]
+    if launcher in ("python", "mpirun"):  # the launchers that pass the rank's status on
+        assert status == EXIT_STOPPED, (status, stderr[-2000:])
+    else:
+        assert status != 0
+    if launcher == "mpirun" and signum == signal.SIGUSR1:  # nothing lost: resumed, it ends where one run ends
+        model = tmp_path / "resumed.keras"
+        resumed = succeeded(launch("mpirun", 2, *LONG_RUN, "--checkpoint-dir", checkpoints, "--resume",
+                                   "--save-model", model))
+        assert f"Resuming from {checkpoints}/ckpt-{stopped_at}" in resumed.stdout
+        assert_same_weights(uninterrupted, saved_weights(model))
+
+
+def test_a_second_signal_exits_at_once_without_a_checkpoint(tmp_path):
+    """Rank 1 frozen, so the stop cannot finish: a second SIGTERM to rank 0 ends it at once, and
+    the latest checkpoint is still a periodic one (every 50 steps, or an epoch's end: 64)."""
+    checkpoints = tmp_path / "ckpt"
+    run = start_and_wait(launchers.command("mpirun", 2, "hvd_sgd.train", [
+        *LONG_RUN, "--max-steps", 100000, "--stall-timeout", 600, "--checkpoint-dir", checkpoints]),
+        checkpoint_from_step(checkpoints, 100), timeout=120)
+    launcher = psutil.Process(run.pid)
+    frozen, first = rank_process(launcher, 1), rank_process(launcher, 0)
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        first.send_signal(signal.SIGTERM)
+        time.sleep(1.5)  # more than the window in which a signal counts as the same request
+        first.send_signal(signal.SIGTERM)
+        status, stdout, stderr = ended_within(run, 30)
+    finally:
+        if frozen.is_running():
+            frozen.send_signal(signal.SIGCONT)
+    assert status != 0 and "second signal (SIGTERM): exiting without a checkpoint" in stderr, stderr[-3000:]
+    assert not stop_lines(stderr)
+    step = latest_checkpoint_step(checkpoints)
+    assert step % 50 == 0 or step % 64 == 0, step
