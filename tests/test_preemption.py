@@ -65,10 +65,8 @@ def test_a_signal_stops_every_rank_after_the_same_step_with_its_checkpoint(launc
     ranks_output = stderr if launcher != "horovodrun-gloo" else "\n".join(
         line for line in stderr.splitlines() if line.startswith("["))
     assert "Traceback" not in ranks_output, stderr[-3000:]
-    if launcher in ("python", "mpirun"):  # the launchers that pass the rank's status on
-        assert status == EXIT_STOPPED, (status, stderr[-2000:])
-    else:
-        assert status != 0
+    if launcher in ("python", "mpirun"):  # the launchers that pass the rank's status on (horovodrun: 1, or
+        assert status == EXIT_STOPPED, (status, stderr[-2000:])  # under Gloo 0 or 1, its own choice)
     if launcher == "mpirun" and signum == signal.SIGUSR1:  # nothing lost: resumed, it ends where one run ends
         model = tmp_path / "resumed.keras"
         resumed = succeeded(launch("mpirun", 2, *LONG_RUN, "--checkpoint-dir", checkpoints, "--resume",

@@ -100,8 +100,8 @@ def allreduce_bandwidth(controller, sizes, nodes=None):
 
 
 def time_to_accuracy(np_, quick):
-    target = 0.95 if quick else 0.99
-    subset = ["--train-examples", 8000, "--test-examples", 2000, "--epochs", 3] if quick else ["--epochs", 8]
+    target = 0.9 if quick else 0.99
+    subset = ["--train-examples", 4000, "--test-examples", 1000, "--epochs", 1] if quick else ["--epochs", 8]
     m, seconds = _train(np_, ["--model", "cnn", "--batch-size", GLOBAL_BATCH["cnn"] // np_,
                               "--target-accuracy", target, *subset], timeout=3600)
     return dict(target=target, seconds=seconds, accuracy=m["test_accuracy"], epochs=m["epochs"],
