@@ -46,14 +46,19 @@ def job_state(env, job_id):
 
 def wait_for_job(env, job_id, timeout=240, hurry_requeued=False):
     """Poll every half second (sbatch --wait polls every 10 s or so) until the job ends; its final
-    state. ``hurry_requeued``: start a requeued job at once (Slurm holds it for about 2 minutes)."""
-    deadline = time.monotonic() + timeout
+    state. ``hurry_requeued``: start a requeued job after 10 s pending, not the 2 minutes Slurm
+    holds it (at once, its new step can collide with the old one's teardown: "aborted before step
+    completely launched")."""
+    deadline, pending_since = time.monotonic() + timeout, None
     while True:
         state, restarts = job_state(env, job_id)
         if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED"):
             return state
         if hurry_requeued and state == "PENDING" and restarts:
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, capture_output=True)
+            pending_since = pending_since or time.monotonic()
+            if time.monotonic() - pending_since > 10:
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env,
+                               capture_output=True)
         assert time.monotonic() < deadline, f"job {job_id} still {state} after {timeout} s"
         time.sleep(0.5)
 
