@@ -33,11 +33,13 @@ def _start(command, threads, **env):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _command(launcher, np_, module, args, nodes=None):
+    """The launcher's command line here, or across ``nodes``."""
+    return (nodes.command if nodes else launchers.command)(launcher, np_, module, args)
+
+
 def _worker(launcher, np_, kind, *args, nodes=None):
-    worker_args = protocol.worker_args(kind, *args)
-    if nodes:
-        return nodes.command(launcher, np_, "hvd_sgd.bench", worker_args)
-    return launchers.command(launcher, np_, "hvd_sgd.bench", worker_args)
+    return _command(launcher, np_, "hvd_sgd.bench", protocol.worker_args(kind, *args), nodes)
 
 
 def _results(processes, timeout=900):
@@ -55,9 +57,8 @@ def _train(np_, args, timeout=900, nodes=None):
     """``hvd_sgd.train`` as a user runs it (horovodrun for 2+ ranks); its metrics file and wall seconds."""
     with tempfile.TemporaryDirectory(dir=nodes and nodes.shared_dir) as tmp:
         metrics = os.path.join(tmp, "m.json")
-        launcher, args = "python" if np_ == 1 else "horovodrun", [*args, "--metrics-file", metrics]
-        command = nodes.command(launcher, np_, "hvd_sgd.train", args) if nodes else launchers.command(
-            launcher, np_, "hvd_sgd.train", args)
+        command = _command("python" if np_ == 1 else "horovodrun", np_, "hvd_sgd.train",
+                           [*args, "--metrics-file", metrics], nodes)
         started = time.perf_counter()
         _results([_start(command, 1)], timeout)
         seconds = time.perf_counter() - started
