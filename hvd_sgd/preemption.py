@@ -6,6 +6,10 @@ training steps the ranks all-reduce their requests (Max, beside the gradients), 
 after the same step: rank 0 checkpoints exactly that step and every rank ends with ``Stopped`` (exit status
 EXIT_STOPPED). A second signal, or a stop still unfinished after ``grace`` seconds (a rank gone,
 a collective that never ends), exits the process at once: the previous checkpoint stays the latest.
+
+``listen`` starts catching the signals; call it as early as possible (``hvd_sgd.train.main``
+does, before Horovod starts and the data loads): until then a signal has its default action and
+ends the process. A request made during start-up stops the run at its first check.
 """
 import os
 import signal
@@ -16,7 +20,7 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError
+from hvd_sgd import JobError, startup
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, to be continued; not a failure (that is 1)
@@ -32,15 +36,37 @@ class Stopped(JobError):
     """The run stopped on a signal, after a checkpoint of its last step if it has a directory."""
 
 
+_listening = None
+
+
+def listen(grace):
+    """This process's StopRequest, catching the signals from the first call on (signals belong to
+    the process, so there is one, whoever asks first). From the main thread."""
+    global _listening
+    if _listening is None:
+        _listening = StopRequest(grace)._install()
+    return _listening
+
+
 class StopRequest:
     def __init__(self, grace):
         self.grace = grace
         self.signal = None
-        self.flag = tf.Variable(0.0, trainable=False, name="stop_request")  # read inside the compiled step
+        self._flag = None
+        self._lock = threading.Lock()
 
-    def install(self):
-        """From the main thread. The signals are acted on by a thread of their own (through
-        Python's wake-up fd), which runs even while the main thread waits in a collective."""
+    @property
+    def flag(self):
+        """The request as a variable that the compiled step reads. Made on first use, after start-up
+        has set TensorFlow's thread counts (the first variable fixes them)."""
+        with self._lock:
+            if self._flag is None:
+                self._flag = tf.Variable(1.0 if self.signal else 0.0, trainable=False, name="stop_request")
+            return self._flag
+
+    def _install(self):
+        """The signals are acted on by a thread of their own (through Python's wake-up fd), which
+        runs even while the main thread waits in a collective."""
         self._wakeup = socket.socketpair()
         self._wakeup[1].setblocking(False)
         signal.set_wakeup_fd(self._wakeup[1].fileno())
@@ -71,8 +97,13 @@ class StopRequest:
             return
         if self.signal is not None:  # a second request: now
             _exit_now(f"second signal ({signal.Signals(signum).name}): exiting without a checkpoint", signum)
-        self.signal, self.first_at = signal.Signals(signum).name, time.monotonic()
-        self.flag.assign(1.0)
+        with self._lock:
+            self.signal, self.first_at = signal.Signals(signum).name, time.monotonic()
+            if self._flag is not None:
+                self._flag.assign(1.0)
+        if startup.launch_rank() == 0:  # one line for the job's log, at once: the stop itself may take a while
+            sys.stdout.write(f"hvd_sgd: {self.signal} received: stopping after the next check of the ranks\n")
+            sys.stdout.flush()
         timer = threading.Timer(self.grace, _exit_now, (f"the stop took over {self.grace:.0f} s: exiting without "
                                                         f"a checkpoint", signum))
         timer.daemon = True

@@ -28,6 +28,8 @@ LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 def main(argv=None):
     cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=startup.launch_rank() == 0)
+    if not cfg.elastic:  # from now on a stop signal waits for fit's first check instead of ending the process
+        preemption.listen(cfg.stall_timeout)
     world = startup.start(cfg.threads_per_rank, cfg.stall_timeout, cfg.bind_cpus)
     with _together(world, cfg):  # a rank that cannot read the data, or import the model, stops them all
         splits = datasets.load(cfg.dataset, cfg.data_dir).subset(cfg.train_examples, cfg.test_examples)
@@ -44,7 +46,7 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     watchdog = Watchdog(world, None if cfg.elastic else cfg.stall_timeout).start()  # a frozen rank ends the job
     # A signal stops every rank after the same step, with a checkpoint of it. Elastic mode: a
     # signalled worker is a lost one, and the others go on.
-    stop = None if cfg.elastic else preemption.StopRequest(grace=cfg.stall_timeout).install()
+    stop = None if cfg.elastic else preemption.listen(cfg.stall_timeout)
     world.log(f"hvd_sgd: {world.size} rank(s) on {world.device}, {world.threads} thread(s) each, "
               f"model {getattr(model_fn, '__name__', cfg.model)}")
 

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import assert_same_weights, launch, output_lines, saved_weights, succeeded
 from hvd_sgd import launchers
-from hvd_sgd.preemption import EXIT_STOPPED
+from hvd_sgd.preemption import CHECK_EVERY_STEPS, EXIT_STOPPED
 from test_reliability import (LONG_RUN, checkpoint_from_step, ended_within, rank_process, start_and_wait,
                               uninterrupted)
 
@@ -97,3 +97,32 @@ def test_a_second_signal_exits_at_once_without_a_checkpoint(tmp_path):
     assert not stop_lines(stderr)
     step = latest_checkpoint_step(checkpoints)
     assert step % 50 == 0 or step % 64 == 0, step
+
+
+def catches(process, signum):
+    """Whether ``process`` has a handler for ``signum`` (SigCgt in /proc: the bit signum - 1)."""
+    with open(f"/proc/{process.pid}/status") as status:
+        caught = next(line for line in status if line.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) >> (signum - 1) & 1)
+
+
+def test_a_signal_during_start_up_stops_the_run_at_its_first_check(tmp_path):
+    """SIGUSR1 as soon as the process catches it, before Horovod has started and the data has
+    loaded: the run still starts, stops at its first check with a checkpoint, and exits 75."""
+    checkpoints = tmp_path / "ckpt"
+    run = start_and_wait(launchers.command("python", 1, "hvd_sgd.train", [
+        *LONG_RUN, "--max-steps", 100000, "--checkpoint-dir", checkpoints]), lambda: True, timeout=0)
+    deadline = time.monotonic() + 60
+    while not catches(run, signal.SIGUSR1):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.01)
+    run.send_signal(signal.SIGUSR1)
+    status, stdout, stderr = ended_within(run, 60)
+    assert status == EXIT_STOPPED, stderr[-3000:]
+    lines = output_lines(stdout)
+    received, started = (next(i for i, line in enumerate(lines) if text in line)
+                         for text in ("SIGUSR1 received", "rank(s) on"))
+    assert received < started, stdout  # the request came before fit began, and was kept
+    [line] = stop_lines(stderr)
+    stopped_at = int(line.split(" at step ")[1].split("/")[0])
+    assert 0 < stopped_at <= CHECK_EVERY_STEPS and latest_checkpoint_step(checkpoints) == stopped_at, line
