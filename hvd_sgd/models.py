@@ -1,4 +1,4 @@
-"""The models, users' own models, and the export of a trained one.
+"""The models, users' own models, the loss they train with, and the export of a trained one.
 
 A model function takes the input shape (height, width, 1), pixels in [0, 1], and the number of
 classes, and returns an uncompiled Keras model whose outputs are logits.
@@ -29,7 +29,23 @@ def mlp(input_shape, num_classes):
 
 
 def cnn(input_shape, num_classes):
-    """Two convolutions, max-pooling, dropout and a dense layer: about 99.2 % on MNIST."""
+    """Three 3x3 convolutions (16, 32, 64 channels), each halving the image by max-pooling, and a
+    dense layer: 98 k weights and 2.0 M multiply-adds an image, a sixth of classic_cnn's 12 M."""
+    layers = [tf.keras.Input(input_shape)]
+    for channels in (16, 32, 64):
+        layers += [tf.keras.layers.Conv2D(channels, 3, padding="same", activation="relu"),
+                   tf.keras.layers.MaxPooling2D()]
+    return tf.keras.Sequential([
+        *layers,
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(128, activation="relu"),
+        tf.keras.layers.Dense(num_classes, name="logits"),
+    ], name="cnn")
+
+
+def classic_cnn(input_shape, num_classes):
+    """The Keras MNIST example's CNN (1.2 M weights), hvd_sgd's default before ``cnn``: two
+    convolutions, max-pooling, dropout and a dense layer; about 99.2 % after 4 epochs."""
     return tf.keras.Sequential([
         tf.keras.Input(input_shape),
         tf.keras.layers.Conv2D(32, 3, activation="relu"),
@@ -40,10 +56,10 @@ def cnn(input_shape, num_classes):
         tf.keras.layers.Dense(128, activation="relu"),
         tf.keras.layers.Dropout(0.5),
         tf.keras.layers.Dense(num_classes, name="logits"),
-    ], name="cnn")
+    ], name="classic_cnn")
 
 
-BUILT_IN = {"softmax": softmax, "mlp": mlp, "cnn": cnn}
+BUILT_IN = {"softmax": softmax, "mlp": mlp, "cnn": cnn, "classic_cnn": classic_cnn}
 
 
 def resolve(spec):
@@ -60,6 +76,14 @@ def resolve(spec):
     if not callable(function):
         raise JobError(f"--model {spec}: module {module_name!r} has no function {attribute!r}")
     return function
+
+
+def smoothed_cross_entropy(label_smoothing):
+    """The training loss: cross-entropy of the logits against one-hot labels moved
+    ``label_smoothing`` toward uniform, so that the model is not pushed to ever larger logits
+    (Szegedy et al. 2016); it lets a short run take a high learning rate."""
+    loss = tf.keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=label_smoothing)
+    return lambda labels, logits: loss(tf.one_hot(tf.reshape(tf.cast(labels, tf.int32), [-1]), tf.shape(logits)[-1]), logits)
 
 
 def build(model_fn, input_shape, num_classes, seed):

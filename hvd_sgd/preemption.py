@@ -55,14 +55,14 @@ class StopRequest:
         self._flag = None
         self._lock = threading.Lock()
 
-    @property
-    def flag(self):
-        """The request as a variable that the compiled step reads. Made on first use, after start-up
-        has set TensorFlow's thread counts (the first variable fixes them)."""
+    def ready(self):
+        """From ``fit``, once start-up has set TensorFlow's thread counts (the first variable fixes
+        them) and before the step is compiled: the request becomes a variable that the compiled
+        step reads, set already if a signal came during start-up."""
         with self._lock:
             if self._flag is None:
                 self._flag = tf.Variable(1.0 if self.signal else 0.0, trainable=False, name="stop_request")
-            return self._flag
+        return self
 
     def _install(self):
         """The signals are acted on by a thread of their own (through Python's wake-up fd), which
@@ -87,9 +87,9 @@ class StopRequest:
         CHECK_EVERY_STEPS steps (every rank is at the same step, so all take part or none)."""
         import horovod.tensorflow as hvd
         if hvd.size() == 1:
-            return self.flag.read_value() > 0
+            return self._flag.read_value() > 0
         return tf.cond(step % CHECK_EVERY_STEPS == 0,
-                       lambda: hvd.allreduce(self.flag.read_value(), op=hvd.Max, name="stop_request") > 0,
+                       lambda: hvd.allreduce(self._flag.read_value(), op=hvd.Max, name="stop_request") > 0,
                        lambda: tf.constant(False))
 
     def _on_signal(self, signum):

@@ -25,11 +25,14 @@ class WarmupCosine(tf.keras.optimizers.schedules.LearningRateSchedule):
         return self.at_step(tf.math.floordiv(iterations, self.backward_passes_per_step))
 
     def at_step(self, step):
-        # Imported here, not at the top: importing this module must not load Horovod's extension
-        # before startup.start() has checked it can report a broken build in one line.
-        from horovod.tensorflow.mpi_ops import size_op
         step = tf.cast(step, tf.float32)
-        peak = self.base * self.factor * (tf.cast(size_op(), tf.float32) if self.scale_by_world_size else 1.0)
+        peak = self.base * self.factor
+        if self.scale_by_world_size:
+            # Imported here, not at the top: importing this module must not load Horovod's extension
+            # (before startup.start() has checked it can report a broken build in one line, or at all
+            # in plain Keras).
+            from horovod.tensorflow.mpi_ops import size_op
+            peak *= tf.cast(size_op(), tf.float32)
         # Without a warm-up the scaled rate applies from the first step.
         warmed_up = tf.minimum(step / self.warmup_steps, 1.0) if self.warmup_steps else 1.0
         rate = self.base + (peak - self.base) * warmed_up

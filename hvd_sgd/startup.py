@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 
 import tensorflow as tf
 
@@ -86,6 +87,7 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     Horovod's stall check is set to shut the job down, not only warn, after ``stall_timeout``
     seconds in which the ranks submitted different collectives (the user's environment wins).
     """
+    imported = time.time()  # Python, TensorFlow, Horovod and the arguments: before this
     check_versions()
     os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, int(stall_timeout) // 2)))
     os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(1, int(stall_timeout))))
@@ -113,7 +115,7 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
     from hvd_sgd.world import World  # imports Horovod's extension: only once it is known to load
-    return World(device, threads)
+    return World(device, threads, dict(imports=imported, horovod=time.time()))
 
 
 def yield_when_idle():

@@ -42,11 +42,12 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     says, on every rank of the job; the run's summary (what ``--metrics-file`` holds)."""
     # 1. Start Horovod (unless the caller has): one GPU per rank by local rank, its share of the cores.
     world = world or startup.start(cfg.threads_per_rank, cfg.stall_timeout, cfg.bind_cpus)
+    started = dict(world.started, data=time.time())  # where start-up's seconds go, for the summary
     import horovod.tensorflow as hvd  # its extension loads: startup.start checked it does
     watchdog = Watchdog(world, None if cfg.elastic else cfg.stall_timeout).start()  # a frozen rank ends the job
     # A signal stops every rank after the same step, with a checkpoint of it. Elastic mode: a
     # signalled worker is a lost one, and the others go on.
-    stop = None if cfg.elastic else preemption.listen(cfg.stall_timeout)
+    stop = None if cfg.elastic else preemption.listen(cfg.stall_timeout).ready()
     world.log(f"hvd_sgd: {world.size} rank(s) on {world.device}, {world.threads} thread(s) each, "
               f"model {getattr(model_fn, '__name__', cfg.model)}")
 
@@ -75,7 +76,7 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     #    over the backward passes of a step: it all-reduces once, after the last).
     model = models.build(model_fn, (*splits.image_shape, 1), datasets.NUM_CLASSES, cfg.seed)
     optimizer = hvd.DistributedOptimizer(
-        tf.keras.optimizers.SGD(lr, momentum=cfg.momentum),
+        tf.keras.optimizers.SGD(lr, momentum=cfg.momentum, nesterov=cfg.nesterov),
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
         backward_passes_per_step=passes, average_aggregated_gradients=True)
     optimizer.build(model.trainable_variables)
@@ -101,11 +102,13 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
         hvd.broadcast_variables(state, root_rank=0)
         world.check_identical(state, "after the broadcast")
     watchdog.progress()
+    started["model"] = time.time()
 
     # 6. Train. The data order depends on (seed, epoch, global batch) only, so a resumed run
     #    sees exactly the batches the uninterrupted run would have seen.
     trainer = Trainer(world, cfg, splits, model, optimizer, step, lr, checkpoints, steps_per_epoch, total_steps, stop)
     result = _train_elastically(trainer, state) if cfg.elastic else trainer.run(watchdog.progress)
+    started.update(first_step=trainer.clock.first_step_at, training=time.time())
     checksums = world.check_identical(state, "at the end")
     placement = hvd.allgather_object(world.placement())  # where each rank ran: host, local rank, …
 
@@ -119,7 +122,8 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
         backward_passes_per_step=passes, global_batch=trainer.global_batch(),
         learning_rate=cfg.lr * (world.size * passes if cfg.lr_scaling else 1),
         images_per_second=trainer.clock.images_per_second(), wall_seconds=trainer.clock.wall_seconds(),
-        weight_checksums=checksums, ranks=placement, config=dataclasses.asdict(cfg),
+        timeline=started, evaluations=trainer.evaluations, weight_checksums=checksums, ranks=placement,
+        config=dataclasses.asdict(cfg),
         versions=dict(python=platform.python_version(), tensorflow=tf.__version__,
                       horovod=importlib.metadata.version("horovod"), hvd_sgd=__version__))
     if world.is_chief:  # one copy of each file, from the rank that holds what every rank holds
@@ -153,9 +157,11 @@ class Trainer:
         self.world, self.cfg, self.splits, self.model, self.step, self.lr = world, cfg, splits, model, step, lr
         self.checkpoints, self.steps_per_epoch, self.total_steps = checkpoints, steps_per_epoch, total_steps
         self.stop = stop
-        self.train_step = _make_train_step(model, optimizer, step, cfg.backward_passes_per_step, stop)
+        self.train_step = _make_train_step(model, optimizer, step, cfg.backward_passes_per_step, stop,
+                                           models.smoothed_cross_entropy(cfg.label_smoothing))
         self.test_batches = batches.test_batches(splits)
         self.clock = StepClock()
+        self.evaluations = []  # (step, epoch, accuracy, time) of each, for the summary
         # TensorBoard files, like every file, are rank 0's.
         self.summaries = tf.summary.create_file_writer(cfg.log_dir) if world.is_chief and cfg.log_dir else None
 
@@ -221,6 +227,8 @@ class Trainer:
     def _evaluate(self, n):
         with self.clock.paused():
             result = self.world.evaluate(self.model, self.test_batches)
+        self.evaluations.append(dict(step=n, epoch=n / self.steps_per_epoch, accuracy=result["accuracy"],
+                                     time=time.time()))
         self.world.log(f"epoch {n / self.steps_per_epoch:.2f}: test accuracy {result['accuracy']:.4f}  "
                        f"test loss {result['loss']:.4f}")
         if self.summaries:
@@ -264,7 +272,7 @@ def _train_elastically(trainer, variables):
     return train(state)
 
 
-def _make_train_step(model, optimizer, step, backward_passes, stop):
+def _make_train_step(model, optimizer, step, backward_passes, stop, loss):
     @tf.function
     def train_step(batch_iterator):
         """The step's loss, and whether any rank has been asked to stop."""
@@ -273,7 +281,7 @@ def _make_train_step(model, optimizer, step, backward_passes, stop):
         # One micro-batch per backward pass: the optimizer accumulates, then all-reduces and applies once.
         for micro_images, micro_labels in zip(tf.split(images, backward_passes), tf.split(labels, backward_passes)):
             with tf.GradientTape() as tape:
-                losses.append(LOSS(micro_labels, model(micro_images, training=True)))
+                losses.append(loss(micro_labels, model(micro_images, training=True)))
             optimizer.minimize(losses[-1], model.trainable_variables, tape=tape)
         step.assign_add(1)
         with tf.control_dependencies(losses):  # asked once the forward pass is done, beside the gradients
@@ -304,7 +312,7 @@ class StepClock:
     def __init__(self):
         self.created = time.perf_counter()
         self.images, self.seconds = 0, 0.0
-        self.last = None
+        self.last = self.first_step_at = None
         self.first_step = self.steps = 0
 
     def start(self, step):
@@ -314,6 +322,7 @@ class StepClock:
 
     def step_done(self, images):
         now = time.perf_counter()
+        self.first_step_at = self.first_step_at or time.time()  # the first step traces the graph
         if self.last is not None:
             self.images += images
             self.seconds += now - self.last

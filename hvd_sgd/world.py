@@ -21,6 +21,7 @@ class World:
     mode they change when workers leave or join."""
     device: str
     threads: int
+    started: dict = dataclasses.field(default_factory=dict)  # when start-up's phases ended (time.time())
 
     @property
     def rank(self):

@@ -17,7 +17,7 @@ def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
     suites = results["suites"]
     assert set(suites) == {"overhead", "scaling", "peer", "allreduce", "tta"}
     for suite in ("overhead", "scaling", "peer"):
-        for model in ("softmax", "cnn"):
+        for model in ("softmax", "classic_cnn"):
             row = dict(suites[suite][model])
             rounds = row.pop("rounds")
             assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in row.values()), row
@@ -27,8 +27,12 @@ def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
         assert len(r["horovod"]) == len(r["sizes"]) > 3 and all(v > 0 for v in r["horovod"])
     for raw in ("mpi4py", "mpi4py_fixed_buffers"):
         assert len(suites["allreduce"]["mpi"][raw]) == len(suites["allreduce"]["mpi"]["sizes"])
-    assert all(suites["tta"][k]["seconds"] > 0 for k in ("np1", "np2"))
+    assert set(suites["tta"]) == {"hvd_sgd_np1", "hvd_sgd_np2", "keras"}
+    for row in suites["tta"].values():
+        assert 0 < row["startup"]["training"] < row["seconds"] and len(row["curve"]) == 1, row
+        assert row["seconds"] == pytest.approx(sum(row["startup"].values()))
+        assert (row["to_target"] is None) == (row["accuracy"] < row["target"]), row
     assert len(results["verdicts"]) == 6 and all(v["passed"] in (True, False) for v in results["verdicts"])
-    for name in ("results.md", "overhead.png", "scaling.png", "peer.png", "scaling_efficiency.png", "allreduce.png"):
+    for name in ("results.md", "tta.png", "overhead.png", "scaling.png", "peer.png", "scaling_efficiency.png", "allreduce.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "PASS" in (tmp_path / "results.md").read_text() or "MISS" in (tmp_path / "results.md").read_text()

@@ -11,7 +11,8 @@ import time
 from hvd_sgd import launchers
 from hvd_sgd.bench import protocol
 
-GLOBAL_BATCH = {"softmax": 200, "cnn": 128}  # softmax: the seed's 100 per rank on 2 ranks
+# softmax: the seed's 100 per rank on 2 ranks; cnn: its default, 32 per rank.
+GLOBAL_BATCH = {"softmax": 200, "classic_cnn": 128, "cnn": 64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,23 +55,24 @@ def _results(processes, timeout=900):
 
 
 def _train(np_, args, timeout=900, nodes=None):
-    """``hvd_sgd.train`` as a user runs it (horovodrun for 2+ ranks); its metrics file and wall seconds."""
+    """``hvd_sgd.train`` as a user runs it (horovodrun for 2+ ranks); its metrics file, and when the
+    command started and ended (time.time(), as the metrics file's timeline)."""
     with tempfile.TemporaryDirectory(dir=nodes and nodes.shared_dir) as tmp:
         metrics = os.path.join(tmp, "m.json")
         command = _command("python" if np_ == 1 else "horovodrun", np_, "hvd_sgd.train",
                            [*args, "--metrics-file", metrics], nodes)
-        started = time.perf_counter()
+        launched = time.time()
         _results([_start(command, 1)], timeout)
-        seconds = time.perf_counter() - started
+        ended = time.time()
         with open(metrics) as f:
-            return json.load(f), seconds
+            return json.load(f), launched, ended
 
 
 def hvd_sgd_throughput(np_, model, steps, nodes=None):
     """hvd_sgd itself, as a user runs it: its own img/s figure. Across ``nodes``, one thread per
     rank: the nodes of a virtual cluster share this machine's cores."""
     threads = ["--threads-per-rank", 1] if nodes else []
-    metrics, _ = _train(np_, ["--model", model, "--batch-size", GLOBAL_BATCH[model] // np_, "--max-steps", steps,
+    metrics, *_ = _train(np_, ["--model", model, "--batch-size", GLOBAL_BATCH[model] // np_, "--max-steps", steps,
                               "--test-examples", 1000, "--log-every-steps", 10 ** 6, *threads], nodes=nodes)
     return metrics["images_per_second"]
 
@@ -100,13 +102,30 @@ def allreduce_bandwidth(controller, sizes, nodes=None):
                 mpi4py_fixed_buffers=raw.get("bandwidth_fixed", []))
 
 
-def time_to_accuracy(np_, quick):
-    target = 0.9 if quick else 0.99
-    subset = ["--train-examples", 4000, "--test-examples", 1000, "--epochs", 1] if quick else ["--epochs", 8]
-    m, seconds = _train(np_, ["--model", "cnn", "--batch-size", GLOBAL_BATCH["cnn"] // np_,
-                              "--target-accuracy", target, *subset], timeout=3600)
-    return dict(target=target, seconds=seconds, accuracy=m["test_accuracy"], epochs=m["epochs"],
-                reached=m["test_accuracy"] >= target)
+# Start-up's phases, each ending at the timeline's mark of that name ("end": the command's end).
+PHASES = (("launch and imports", "imports"), ("hvd.init", "horovod"), ("data", "data"), ("model and broadcast", "model"),
+          ("first step (tracing)", "first_step"), ("training", "training"), ("evaluation, files, exit", "end"))
+
+
+def time_to_accuracy(contender, quick):
+    """The default recipe, started as a user starts it, as ``contender`` (hvd_sgd_np1, hvd_sgd_np2,
+    keras): wall seconds from the command to the first evaluation at the target, the run's
+    accuracy curve and where its seconds went."""
+    target, subset = (0.9, [4000, 1000, 1]) if quick else (0.99, [0, 0, 2])
+    if contender == "keras":
+        launched = time.time()
+        metrics = _results([_start(_worker("python", 1, "keras_recipe", *subset, CORES), CORES)], 900)[0]
+        ended = time.time()
+    else:
+        args = ["--train-examples", subset[0], "--test-examples", subset[1], "--epochs", subset[2]] if quick else []
+        metrics, launched, ended = _train(int(contender[-1]), args)
+    marks = dict(metrics["timeline"], end=ended)
+    reached = next((e for e in metrics["evaluations"] if e["accuracy"] >= target), None)
+    return dict(target=target, seconds=ended - launched, accuracy=metrics["test_accuracy"],
+                to_target=reached and reached["time"] - launched, epochs_to_target=reached and reached["epoch"],
+                curve=[(e["time"] - launched, e["accuracy"]) for e in metrics["evaluations"]],
+                startup={name: marks[mark] - previous for (name, mark), previous
+                         in zip(PHASES, [launched] + [marks[m] for _, m in PHASES[:-1]])})
 
 
 def _free_ports(n):

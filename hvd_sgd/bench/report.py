@@ -5,9 +5,9 @@ import os
 from hvd_sgd.bench.suites import contender_names
 
 TARGETS = [  # (name, suite, model, measured ratio key, minimum)
-    ("CNN 2 ranks >= 1.15 x MWMS", "peer", "cnn", "ratio", 1.15),
-    ("CNN scaling efficiency >= 0.90", "scaling", "cnn", "ratio", 0.90),
-    ("1-rank overhead <= 3 % (CNN)", "overhead", "cnn", "ratio", 0.97),
+    ("classic CNN 2 ranks >= 1.15 x MWMS", "peer", "classic_cnn", "ratio", 1.15),
+    ("classic CNN scaling efficiency >= 0.90", "scaling", "classic_cnn", "ratio", 0.90),
+    ("1-rank overhead <= 3 % (classic CNN)", "overhead", "classic_cnn", "ratio", 0.97),
     ("1-rank overhead <= 3 % (softmax)", "overhead", "softmax", "ratio", 0.97),
     ("softmax 2 ranks >= 3 x MWMS", "peer", "softmax", "ratio", 3.0),
 ]
@@ -57,11 +57,7 @@ def write(results, directory):
             for link, row in rows.items():
                 md += ["", f"All-reduce across the nodes, link {link}:", "", *_allreduce_table(row["allreduce"])]
         elif suite == "tta":
-            md += ["| ranks | target | seconds | epochs | final accuracy |", "| --- | --- | --- | --- | --- |"]
-            md += [f"| {k[2:]} | {r['target']} | {r['seconds']:.0f} | {r['epochs']:.2f} | {r['accuracy']:.4f} |"
-                   for k, r in rows.items()]
-            if len(rows) == 2:
-                md.append(f"\nSpeed-up np2 over np1: {rows['np1']['seconds'] / rows['np2']['seconds']:.2f}x")
+            md += _tta_tables(rows)
         else:
             keys = contender_names(next(iter(rows.values())))
             md += [f"| model | {' img/s | '.join(keys)} img/s | ratio | per-round ratios |",
@@ -90,6 +86,20 @@ def _allreduce_table(rows):
                                 for k in ("mpi4py", "mpi4py_fixed_buffers"))
             lines.append(f"| {controller} | {_size(size)} | {ours:.3f} | {versus} |")
     return lines
+
+
+def _tta_tables(rows):
+    """Time to the target per contender, then where each one's seconds went."""
+    target = next(iter(rows.values()))["target"]
+    md = [f"Wall seconds from the command to the first test evaluation at >= {target} (the default recipe; "
+          "keras: the same recipe in plain Keras, one process on every core).", "",
+          "| contender | to target, s | epochs | final accuracy | whole run, s |", "| --- | --- | --- | --- | --- |"]
+    md += [f"| {name} | {r['to_target'] or float('nan'):.1f} | {r['epochs_to_target'] or '-'} | {r['accuracy']:.4f} | "
+           f"{r['seconds']:.1f} |" for name, r in rows.items()]
+    phases = list(next(iter(rows.values()))["startup"])
+    md += ["", "Where the seconds went:", "", f"| contender | {' | '.join(phases)} |", "| --- |" + " --- |" * len(phases)]
+    md += [f"| {name} | " + " | ".join(f"{r['startup'][p]:.1f}" for p in phases) + " |" for name, r in rows.items()]
+    return md
 
 
 def _size(n):
@@ -123,6 +133,19 @@ def _plot(results, directory):
         ax.legend()
         fig.tight_layout()
         fig.savefig(os.path.join(directory, "scaling_efficiency.png"))
+        plt.close(fig)
+    if "tta" in results["suites"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, r in results["suites"]["tta"].items():
+            ax.plot(*zip(*r["curve"]), marker="o", label=name)
+            target = r["target"]
+        ax.axhline(target, color="red", linestyle="--", label=f"target {target}")
+        ax.set_xlabel("wall seconds from the command")
+        ax.set_ylabel("test accuracy")
+        ax.set_title("time to accuracy, default recipe")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(directory, "tta.png"))
         plt.close(fig)
     allreduce = {"allreduce": results["suites"].get("allreduce")}
     allreduce.update({f"network_{link}": row["allreduce"] for link, row in results["suites"].get("network", {}).items()})

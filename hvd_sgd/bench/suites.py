@@ -9,14 +9,16 @@ from hvd_sgd.bench import contenders
 
 SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "network")
 DEFAULT_SUITES = SUITES[:-1]  # network: needs root and a virtual cluster (run/cluster)
-MODELS = ("softmax", "cnn")
+MODELS = ("softmax", "classic_cnn", "cnn")  # quick: the first two (the targets' models)
 # Each paired suite: hvd_sgd first, the contender it is measured against second (ratio = first / second).
 PAIRS = {
     "overhead": (contenders.hvd_sgd_np1, contenders.keras_np1),
     "scaling": (contenders.hvd_sgd_np2, contenders.independent_2x1),
     "peer": (contenders.hvd_sgd_np2, contenders.mwms_np2),
 }
-STEPS = {("softmax", True): 300, ("softmax", False): 3000, ("cnn", True): 40, ("cnn", False): 300}  # (model, quick)
+TTA_CONTENDERS = ("hvd_sgd_np1", "hvd_sgd_np2", "keras")
+STEPS = {("softmax", True): 300, ("softmax", False): 3000, ("classic_cnn", True): 40, ("classic_cnn", False): 300,
+         ("cnn", False): 1000}  # (model, quick)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +28,10 @@ class Plan:
     suites: tuple
     rounds: int
     links: tuple = ()  # the network suite's, from network.LINKS
+
+    @property
+    def models(self):
+        return MODELS[:2] if self.quick else MODELS
 
     @property
     def allreduce_sizes(self):
@@ -43,12 +49,12 @@ def run(plan):
                                         for controller in ("mpi", "gloo")}
         elif suite == "network":
             from hvd_sgd.bench import network
-            results["suites"][suite] = network.run(plan, paired, {m: STEPS[m, plan.quick] for m in MODELS}, MODELS)
+            results["suites"][suite] = network.run(plan, paired, {m: STEPS[m, plan.quick] for m in plan.models}, plan.models)
         elif suite == "tta":
-            results["suites"][suite] = {f"np{n}": contenders.time_to_accuracy(n, plan.quick) for n in (1, 2)}
+            results["suites"][suite] = {c: contenders.time_to_accuracy(c, plan.quick) for c in TTA_CONTENDERS}
         else:
             rows = {}
-            for model in MODELS:
+            for model in plan.models:
                 rows[model] = paired(PAIRS[suite], model, STEPS[model, plan.quick], plan.rounds)
                 print(f"   {model}: {json.dumps(rows[model])}", flush=True)
             results["suites"][suite] = rows

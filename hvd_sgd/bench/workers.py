@@ -10,7 +10,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from hvd_sgd import batches, datasets, models
+from hvd_sgd import batches, config, datasets, models, schedules
 from hvd_sgd.bench import protocol
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -54,6 +54,46 @@ def keras(model_name, batch, steps, threads):
     model, timer = _compiled(model_name, splits), StepTimer(batch)
     model.fit(batches.train_batches(splits, indices), epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer])
     protocol.report(dict(images_per_second=timer.images_per_second()))
+
+
+class Evaluations(tf.keras.callbacks.Callback):
+    """When the first step ended, and each epoch's test accuracy with its time, as hvd_sgd records them."""
+
+    def __init__(self, steps_per_epoch):
+        super().__init__()
+        self.steps_per_epoch, self.first_step_at, self.evaluations = steps_per_epoch, None, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.first_step_at = self.first_step_at or time.time()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.evaluations.append(dict(step=(epoch + 1) * self.steps_per_epoch, epoch=epoch + 1,
+                                     accuracy=logs["val_accuracy"], time=time.time()))
+
+
+def keras_recipe(train_examples, test_examples, epochs, threads):
+    """hvd_sgd's default recipe for one rank (model, batch, learning rate and its schedule, loss,
+    data order) in plain Keras, evaluated after each epoch; reports what hvd_sgd's summary holds
+    on the same: the evaluations and the start-up's timeline."""
+    imported = time.time()
+    cfg = config.TrainConfig()
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
+    splits = datasets.load(cfg.dataset).subset(train_examples, test_examples)
+    data = time.time()
+    per_epoch = batches.steps_per_epoch(len(splits.x_train), cfg.batch_size, 1)
+    indices = batches.rank_batch_indices(len(splits.x_train), cfg.batch_size, 1, 0, cfg.seed, 0, epochs * per_epoch,
+                                         per_epoch)
+    model = models.build(models.BUILT_IN[cfg.model], (*splits.image_shape, 1), datasets.NUM_CLASSES, cfg.seed)
+    lr = schedules.WarmupCosine(cfg.lr, 1, False, 0, epochs * per_epoch)
+    model.compile(tf.keras.optimizers.SGD(lr, momentum=cfg.momentum, nesterov=cfg.nesterov),
+                  models.smoothed_cross_entropy(cfg.label_smoothing), metrics=["accuracy"])
+    built, evaluations = time.time(), Evaluations(per_epoch)
+    model.fit(batches.train_batches(splits, indices), epochs=epochs, steps_per_epoch=per_epoch, verbose=0,
+              validation_data=batches.test_batches(splits), callbacks=[evaluations])
+    protocol.report(dict(test_accuracy=evaluations.evaluations[-1]["accuracy"], evaluations=evaluations.evaluations,
+                         timeline=dict(imports=imported, horovod=imported, data=data, model=built,
+                                       first_step=evaluations.first_step_at, training=time.time())))
 
 
 def mwms(model_name, global_batch, steps, threads):
@@ -131,4 +171,4 @@ def _mpi4py_loops():
     return loops, comm.Get_size(), comm.Get_rank() == 0
 
 
-WORKERS = {"keras": keras, "mwms": mwms, "allreduce": allreduce}
+WORKERS = {"keras": keras, "keras_recipe": keras_recipe, "mwms": mwms, "allreduce": allreduce}
