@@ -36,3 +36,10 @@ def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
     for name in ("results.md", "tta.png", "overhead.png", "scaling.png", "peer.png", "scaling_efficiency.png", "allreduce.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "PASS" in (tmp_path / "results.md").read_text() or "MISS" in (tmp_path / "results.md").read_text()
+
+
+def test_the_projection_needs_the_network_suite_before_it(tmp_path):
+    result = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--suites", "project", "--results-dir", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "project needs network before it" in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "results.json").exists()

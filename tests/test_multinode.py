@@ -252,11 +252,19 @@ FAST_KEEPALIVE = dict(OMPI_MCA_oob_tcp_keepalive_time="5", OMPI_MCA_oob_tcp_keep
 
 def test_the_network_suite_measures_across_two_nodes_of_its_own_cluster(tmp_path):
     """The bench's network suite, quick, on a 10 Gbit/s link: it brings its own cluster up and down
-    and reports all-reduce bandwidth and training efficiency across the nodes (figures, not timings)."""
-    bench = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--quick", "--suites", "network", "--links", "10gbit",
-                            "--results-dir", tmp_path], capture_output=True, text=True, timeout=600)
+    and reports all-reduce bandwidth and training efficiency across the nodes (figures, not timings);
+    the projection fits its cost model to them and projects to 512 ranks."""
+    bench = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--quick", "--suites", "network,project", "--links",
+                            "10gbit", "--results-dir", tmp_path], capture_output=True, text=True, timeout=600)
     assert bench.returncode == 0, bench.stderr[-3000:]
-    row = read_json(tmp_path / "results.json")["suites"]["network"]["10gbit"]
+    suites = read_json(tmp_path / "results.json")["suites"]
+    fit, [check] = suites["project"]["links"]["10gbit"], suites["project"]["validation"]
+    assert fit["latency"] >= 0 and fit["bandwidth"] > 0 and check["model"] == "softmax"
+    assert 0 < check["predicted"] <= 1 and check["measured"] == suites["network"]["10gbit"]["softmax"]["ratio"]
+    projected = suites["project"]["projection"]
+    assert {r["ranks"] for r in projected} == {2, 8, 64, 512} and all(0 < r["efficiency"] <= 1 for r in projected)
+    assert (tmp_path / "project.png").exists() and "## project" in (tmp_path / "results.md").read_text()
+    row = suites["network"]["10gbit"]
     allreduce = row["allreduce"]["mpi"]
     assert len(allreduce["horovod"]) == len(allreduce["mpi4py"]) == len(allreduce["sizes"]) > 0
     assert min(allreduce["horovod"] + allreduce["mpi4py"]) > 0 and 0 < row["softmax"]["ratio"]

@@ -10,11 +10,15 @@ ratios: this machine is shared and noisy, so absolute times mean little.
 2. scaling    hvd_sgd on 2 ranks vs two independent 1-rank Keras trainings at once (the ceiling)
 3. peer       hvd_sgd on 2 ranks vs tf.distribute.MultiWorkerMirroredStrategy with 2 workers
 4. allreduce  bus bandwidth of hvd.allreduce (MPI and Gloo controllers) vs mpi4py's Allreduce
-5. tta        wall time for the CNN to reach the target test accuracy with 1 and 2 ranks
+5. tta        the default recipe from the command to the target test accuracy: hvd_sgd on 1 and
+              2 ranks and the same recipe in plain Keras, with where the start-up's seconds go
 6. network    (not by default: root) across 2 nodes of run/cluster, links unshaped, 10 and 1 Gbit/s:
               all-reduce as in 4, and hvd_sgd on 2 nodes vs two independent processes as in 2
+7. project    (after network) a ring all-reduce cost model and a compute model fitted to network's
+              measurements, checked against them, and projected to 8, 64 and 512 ranks
 
 Modules: ``contenders`` starts each contender as its own process tree, ``workers`` is what
 those processes run (``python -m hvd_sgd.bench worker KIND …``), ``protocol`` is how they
-report, ``suites`` pairs and repeats them, ``network`` runs them across nodes, ``report`` writes results.json, results.md and plots.
+report, ``suites`` pairs and repeats them, ``network`` runs them across nodes, ``project`` models and
+projects them, ``report`` writes results.json, results.md and plots.
 """

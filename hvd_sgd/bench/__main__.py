@@ -28,6 +28,8 @@ def main(argv=None):
     chosen = tuple(args.suites.split(","))
     if not set(chosen) <= set(suites.SUITES):
         parser.error(f"--suites: unknown {sorted(set(chosen) - set(suites.SUITES))}")
+    if "project" in chosen and ("network" not in chosen or chosen.index("network") > chosen.index("project")):
+        parser.error("--suites: project needs network before it (it projects from network's measurements)")
     links = tuple(args.links.split(","))
     if not set(links) <= set(network.LINKS):
         parser.error(f"--links: unknown {sorted(set(links) - set(network.LINKS))}")

@@ -58,6 +58,8 @@ def write(results, directory):
                 md += ["", f"All-reduce across the nodes, link {link}:", "", *_allreduce_table(row["allreduce"])]
         elif suite == "tta":
             md += _tta_tables(rows)
+        elif suite == "project":
+            md += _project_tables(rows)
         else:
             keys = contender_names(next(iter(rows.values())))
             md += [f"| model | {' img/s | '.join(keys)} img/s | ratio | per-round ratios |",
@@ -99,6 +101,28 @@ def _tta_tables(rows):
     phases = list(next(iter(rows.values()))["startup"])
     md += ["", "Where the seconds went:", "", f"| contender | {' | '.join(phases)} |", "| --- |" + " --- |" * len(phases)]
     md += [f"| {name} | " + " | ".join(f"{r['startup'][p]:.1f}" for p in phases) + " |" for name, r in rows.items()]
+    return md
+
+
+def _project_tables(p):
+    md = ["Fitted on 2 nodes: " + "; ".join(f"{link}: latency {f['latency'] * 1e6:.0f} µs, bandwidth "
+                                            f"{f['bandwidth'] / 1e9:.3f} GB/s" for link, f in p["links"].items()),
+          "", "Validation, 2 nodes x 1 rank (predicted efficiency against the network suite's measured one):", "",
+          "| link | model | predicted | measured | error |", "| --- | --- | --- | --- | --- |"]
+    md += [f"| {v['link']} | {v['model']} | {v['predicted']:.2f} | {v['measured']:.2f} | {v['error']:+.0%} |"
+           for v in p["validation"]]
+    ranks = sorted({r["ranks"] for r in p["projection"]})
+    md += ["", "Projected efficiency (seconds per epoch of 60 000 examples), this machine's compute per rank:", "",
+           f"| model | interconnect | {' | '.join(f'{n} ranks' for n in ranks)} |", "| --- | --- |" + " --- |" * len(ranks)]
+    rows = {}
+    for r in p["projection"]:
+        rows.setdefault((r["model"], r["interconnect"]), []).append(f"{r['efficiency']:.2f} ({r['epoch_seconds']:.3g})")
+    md += [f"| {model} | {name} | {' | '.join(cells)} |" for (model, name), cells in rows.items()]
+    a = p["anchor"]
+    md += ["", f"Anchor: {a['model']}, {a['gradient_bytes'] / 1e6:.0f} MB of gradients, a {a['step_seconds']:.2f} s step, "
+           f"{a['interconnect']}, {a['ranks']} ranks: predicted {a['predicted_efficiency']:.2f}, published "
+           f"{a['published_efficiency']:.2f} (difference {a['predicted_efficiency'] - a['published_efficiency']:+.2f}).",
+           "", "Assumptions:", "", *[f"- {line}" for line in p["assumptions"]]]
     return md
 
 
@@ -146,6 +170,23 @@ def _plot(results, directory):
         ax.legend()
         fig.tight_layout()
         fig.savefig(os.path.join(directory, "tta.png"))
+        plt.close(fig)
+    if "project" in results["suites"]:
+        projection = results["suites"]["project"]["projection"]
+        models = list(dict.fromkeys(r["model"] for r in projection))
+        fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            for name in dict.fromkeys(r["interconnect"] for r in projection):
+                points = [(r["ranks"], r["efficiency"]) for r in projection if (r["model"], r["interconnect"]) == (model, name)]
+                ax.plot(*zip(*points), marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(0, 1.05)
+            ax.set_xlabel("ranks")
+            ax.set_ylabel("projected scaling efficiency")
+            ax.set_title(f"{model}: this CPU's compute per rank")
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(os.path.join(directory, "project.png"))
         plt.close(fig)
     allreduce = {"allreduce": results["suites"].get("allreduce")}
     allreduce.update({f"network_{link}": row["allreduce"] for link, row in results["suites"].get("network", {}).items()})

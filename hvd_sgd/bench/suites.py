@@ -7,8 +7,8 @@ import statistics
 
 from hvd_sgd.bench import contenders
 
-SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "network")
-DEFAULT_SUITES = SUITES[:-1]  # network: needs root and a virtual cluster (run/cluster)
+SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "network", "project")
+DEFAULT_SUITES = SUITES[:-2]  # network: needs root and a virtual cluster (run/cluster); project: network's results
 MODELS = ("softmax", "classic_cnn", "cnn")  # quick: the first two (the targets' models)
 # Each paired suite: hvd_sgd first, the contender it is measured against second (ratio = first / second).
 PAIRS = {
@@ -50,6 +50,11 @@ def run(plan):
         elif suite == "network":
             from hvd_sgd.bench import network
             results["suites"][suite] = network.run(plan, paired, {m: STEPS[m, plan.quick] for m in plan.models}, plan.models)
+        elif suite == "project":
+            from hvd_sgd.bench import project
+            network = results["suites"]["network"]
+            models = {m for row in network.values() for m in row if m != "allreduce"}
+            results["suites"][suite] = project.run(network, project.parameter_counts(models))
         elif suite == "tta":
             results["suites"][suite] = {c: contenders.time_to_accuracy(c, plan.quick) for c in TTA_CONTENDERS}
         else:

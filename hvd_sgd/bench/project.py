@@ -1,0 +1,86 @@
+"""The projection (``--suites network,project``): what 8, 64 and 512 ranks would give, from the
+network suite's measurements across two nodes in the same run.
+
+Two models, fitted to those measurements:
+- all-reduce, Horovod's ring: seconds(S, N) = 2(N-1)·α + 2(N-1)/N · S/β for S bytes on N ranks.
+  On 2 nodes that is 2α + S/β: a least-squares line through hvd.allreduce's times per size gives
+  α (half its intercept, Horovod's own per-operation cost included) and β (its slope's inverse);
+- compute: a rank's step with no all-reduce, from the two independent processes' throughput.
+A step is compute + the all-reduce of the model's gradients (no overlap: Horovod starts reducing
+as gradients become ready, so real runs can do better), and efficiency = compute / step.
+"""
+import math
+
+from hvd_sgd.bench import contenders
+
+RANKS = (2, 8, 64, 512)
+EXAMPLES_PER_EPOCH = 60000
+# Interconnects given by rate and per-message latency (typical figures, not measured here).
+INTERCONNECTS = {"10 Gbit/s TCP": (10e9, 25e-6), "25 Gbit/s RoCE": (25e9, 5e-6),
+                 "100 Gbit/s InfiniBand": (100e9, 1.5e-6)}
+# Horovod's published benchmark: ResNet-101 at batch 64 per Pascal GPU, 16 GPUs at 1656.82 img/s
+# (its docs/benchmarks), 90 % efficiency at 512 GPUs over 25 Gbit/s RoCE; 170 MB of gradients.
+ANCHOR = dict(model="ResNet-101 (Horovod's benchmark)", gradient_bytes=170e6, step_seconds=64 / (1656.82 / 16),
+              interconnect="25 Gbit/s RoCE", ranks=512, published_efficiency=0.90)
+ASSUMPTIONS = [
+    "ring all-reduce, one ring through all ranks, each rank sending 2(N-1)/N of the gradients",
+    "no overlap of the backward pass with the all-reduce (a lower bound where Horovod overlaps them)",
+    "all gradients fused into one all-reduce per step (Horovod's tensor fusion, 64 MiB by default)",
+    "the links measured here carry one rank per node; the fitted latency includes Horovod's per-operation cost",
+    "not modelled: stragglers, a congested or oversubscribed network, hierarchical all-reduce, "
+    "per-rank batches too small to keep a device busy",
+]
+
+
+def fit_link(allreduce):
+    """α and β from hvd.allreduce's bus bandwidth per size on 2 ranks (there, seconds = S / bandwidth):
+    least squares of relative errors, so that 4 KiB counts as much as 64 MiB."""
+    sizes = allreduce["sizes"]
+    seconds = [size / (gb_per_s * 1e9) for size, gb_per_s in zip(sizes, allreduce["horovod"])]
+    # Minimise sum(((a + b s) / t - 1)^2): the normal equations of a 2 x 2 system.
+    xs = [(1 / t, s / t) for s, t in zip(sizes, seconds)]
+    aa, ab, bb = (sum(x[0] * x[0] for x in xs), sum(x[0] * x[1] for x in xs), sum(x[1] * x[1] for x in xs))
+    ya, yb = sum(x[0] for x in xs), sum(x[1] for x in xs)
+    det = aa * bb - ab * ab
+    intercept, slope = (ya * bb - yb * ab) / det, (aa * yb - ab * ya) / det
+    return dict(latency=max(intercept, 0.0) / 2, bandwidth=1 / slope if slope > 0 else math.inf)
+
+
+def allreduce_seconds(nbytes, ranks, latency, bandwidth):
+    return 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def parameter_counts(names):
+    """Each built-in model's number of weights (MNIST's shape): 4 bytes each to all-reduce."""
+    from hvd_sgd import models  # TensorFlow, in this process: only once the contenders are done
+    return {name: models.BUILT_IN[name]((28, 28, 1), 10).count_params() for name in names}
+
+
+def run(network, parameters):
+    """``network``: the network suite's rows, per link; ``parameters``: each model's weight count."""
+    links = {link: fit_link(row["allreduce"]["mpi"]) for link, row in network.items()}
+    interconnects = {**{f"{link} (measured)": fit for link, fit in links.items()},
+                     **{name: dict(latency=latency, bandwidth=rate / 8)
+                        for name, (rate, latency) in INTERCONNECTS.items()}}
+    validation, projection = [], []
+    for link, row in network.items():
+        for model in (m for m in row if m != "allreduce"):
+            measured = row[model]
+            batch = contenders.GLOBAL_BATCH[model]  # 2 ranks of half of it, or 2 processes of half
+            compute = batch / measured["independent_2x1"]  # seconds a rank's step computes
+            reduce = allreduce_seconds(4 * parameters[model], 2, **links[link])
+            validation.append(dict(link=link, model=model, predicted=compute / (compute + reduce),
+                                   measured=measured["ratio"]))
+            if link != next(iter(network)):
+                continue  # the compute is this machine's on every link: project from the first
+            for name, fit in interconnects.items():
+                for ranks in RANKS:
+                    step = compute + allreduce_seconds(4 * parameters[model], ranks, **fit)
+                    projection.append(dict(model=model, interconnect=name, ranks=ranks, efficiency=compute / step,
+                                           epoch_seconds=EXAMPLES_PER_EPOCH / (ranks * batch / 2) * step))
+    for v in validation:
+        v["error"] = v["predicted"] / v["measured"] - 1
+    rate, latency = INTERCONNECTS[ANCHOR["interconnect"]]
+    reduce = allreduce_seconds(ANCHOR["gradient_bytes"], ANCHOR["ranks"], latency, rate / 8)
+    anchor = dict(ANCHOR, predicted_efficiency=ANCHOR["step_seconds"] / (ANCHOR["step_seconds"] + reduce))
+    return dict(links=links, validation=validation, projection=projection, anchor=anchor, assumptions=ASSUMPTIONS)
