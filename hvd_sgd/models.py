@@ -83,7 +83,9 @@ def smoothed_cross_entropy(label_smoothing):
     ``label_smoothing`` toward uniform, so that the model is not pushed to ever larger logits
     (Szegedy et al. 2016); it lets a short run take a high learning rate."""
     loss = tf.keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=label_smoothing)
-    return lambda labels, logits: loss(tf.one_hot(tf.reshape(tf.cast(labels, tf.int32), [-1]), tf.shape(logits)[-1]), logits)
+    # Labels come as [B] from hvd_sgd's step and as [B, 1] from Keras' fit: one-hot of them flat.
+    return lambda labels, logits: loss(tf.one_hot(tf.reshape(tf.cast(labels, tf.int32), [-1]), tf.shape(logits)[-1]),
+                                       logits)
 
 
 def build(model_fn, input_shape, num_classes, seed):

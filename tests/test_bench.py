@@ -33,7 +33,8 @@ def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
         assert row["seconds"] == pytest.approx(sum(row["startup"].values()))
         assert (row["to_target"] is None) == (row["accuracy"] < row["target"]), row
     assert len(results["verdicts"]) == 6 and all(v["passed"] in (True, False) for v in results["verdicts"])
-    for name in ("results.md", "tta.png", "overhead.png", "scaling.png", "peer.png", "scaling_efficiency.png", "allreduce.png"):
+    for name in ("results.md", "tta.png", "overhead.png", "scaling.png", "peer.png", "scaling_efficiency.png",
+                 "allreduce.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "PASS" in (tmp_path / "results.md").read_text() or "MISS" in (tmp_path / "results.md").read_text()
 

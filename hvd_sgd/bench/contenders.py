@@ -103,8 +103,9 @@ def allreduce_bandwidth(controller, sizes, nodes=None):
 
 
 # Start-up's phases, each ending at the timeline's mark of that name ("end": the command's end).
-PHASES = (("launch and imports", "imports"), ("hvd.init", "horovod"), ("data", "data"), ("model and broadcast", "model"),
-          ("first step (tracing)", "first_step"), ("training", "training"), ("evaluation, files, exit", "end"))
+PHASES = (("launch and imports", "imports"), ("hvd.init", "horovod"), ("data", "data"),
+          ("model and broadcast", "model"), ("first step (tracing)", "first_step"), ("training", "training"),
+          ("evaluation, files, exit", "end"))
 
 
 def time_to_accuracy(contender, quick):

@@ -99,7 +99,8 @@ def _tta_tables(rows):
     md += [f"| {name} | {r['to_target'] or float('nan'):.1f} | {r['epochs_to_target'] or '-'} | {r['accuracy']:.4f} | "
            f"{r['seconds']:.1f} |" for name, r in rows.items()]
     phases = list(next(iter(rows.values()))["startup"])
-    md += ["", "Where the seconds went:", "", f"| contender | {' | '.join(phases)} |", "| --- |" + " --- |" * len(phases)]
+    md += ["", "Where the seconds went:", "", f"| contender | {' | '.join(phases)} |",
+           "| --- |" + " --- |" * len(phases)]
     md += [f"| {name} | " + " | ".join(f"{r['startup'][p]:.1f}" for p in phases) + " |" for name, r in rows.items()]
     return md
 
@@ -113,21 +114,30 @@ def _project_tables(p):
            for v in p["validation"]]
     ranks = sorted({r["ranks"] for r in p["projection"]})
     md += ["", "Projected efficiency (seconds per epoch of 60 000 examples), this machine's compute per rank:", "",
-           f"| model | interconnect | {' | '.join(f'{n} ranks' for n in ranks)} |", "| --- | --- |" + " --- |" * len(ranks)]
+           f"| model | interconnect | {' | '.join(f'{n} ranks' for n in ranks)} |",
+           "| --- | --- |" + " --- |" * len(ranks)]
     rows = {}
     for r in p["projection"]:
         rows.setdefault((r["model"], r["interconnect"]), []).append(f"{r['efficiency']:.2f} ({r['epoch_seconds']:.3g})")
     md += [f"| {model} | {name} | {' | '.join(cells)} |" for (model, name), cells in rows.items()]
     a = p["anchor"]
-    md += ["", f"Anchor: {a['model']}, {a['gradient_bytes'] / 1e6:.0f} MB of gradients, a {a['step_seconds']:.2f} s step, "
-           f"{a['interconnect']}, {a['ranks']} ranks: predicted {a['predicted_efficiency']:.2f}, published "
-           f"{a['published_efficiency']:.2f} (difference {a['predicted_efficiency'] - a['published_efficiency']:+.2f}).",
+    difference = a["predicted_efficiency"] - a["published_efficiency"]
+    md += ["", f"Anchor: {a['model']}, {a['gradient_bytes'] / 1e6:.0f} MB of gradients, a {a['step_seconds']:.2f} s "
+           f"step, {a['interconnect']}, {a['ranks']} ranks: predicted {a['predicted_efficiency']:.2f}, published "
+           f"{a['published_efficiency']:.2f} (difference {difference:+.2f}).",
            "", "Assumptions:", "", *[f"- {line}" for line in p["assumptions"]]]
     return md
 
 
 def _size(n):
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def _save(fig, directory, name):
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(os.path.join(directory, name))
+    plt.close(fig)
 
 
 def _plot(results, directory):
@@ -144,9 +154,7 @@ def _plot(results, directory):
             ax.bar(keys, [row[k] for k in keys], color=["tab:blue", "tab:gray"])
             ax.set_title(f"{suite}: {model} (ratio {row['ratio']:.2f})")
             ax.set_ylabel("images / second")
-        fig.tight_layout()
-        fig.savefig(os.path.join(directory, f"{suite}.png"))
-        plt.close(fig)
+        _save(fig, directory, f"{suite}.png")
     if "scaling" in results["suites"]:
         rows = results["suites"]["scaling"]
         fig, ax = plt.subplots(figsize=(4.5, 3.5))
@@ -155,9 +163,7 @@ def _plot(results, directory):
         ax.set_ylabel("np2 / two independent processes")
         ax.set_title("scaling efficiency")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(directory, "scaling_efficiency.png"))
-        plt.close(fig)
+        _save(fig, directory, "scaling_efficiency.png")
     if "tta" in results["suites"]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, r in results["suites"]["tta"].items():
@@ -168,16 +174,15 @@ def _plot(results, directory):
         ax.set_ylabel("test accuracy")
         ax.set_title("time to accuracy, default recipe")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(directory, "tta.png"))
-        plt.close(fig)
+        _save(fig, directory, "tta.png")
     if "project" in results["suites"]:
         projection = results["suites"]["project"]["projection"]
         models = list(dict.fromkeys(r["model"] for r in projection))
         fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
         for ax, model in zip(axes[0], models):
             for name in dict.fromkeys(r["interconnect"] for r in projection):
-                points = [(r["ranks"], r["efficiency"]) for r in projection if (r["model"], r["interconnect"]) == (model, name)]
+                points = [(r["ranks"], r["efficiency"]) for r in projection
+                          if (r["model"], r["interconnect"]) == (model, name)]
                 ax.plot(*zip(*points), marker="o", label=name)
             ax.set_xscale("log", base=2)
             ax.set_ylim(0, 1.05)
@@ -185,11 +190,10 @@ def _plot(results, directory):
             ax.set_ylabel("projected scaling efficiency")
             ax.set_title(f"{model}: this CPU's compute per rank")
             ax.legend(fontsize="small")
-        fig.tight_layout()
-        fig.savefig(os.path.join(directory, "project.png"))
-        plt.close(fig)
+        _save(fig, directory, "project.png")
     allreduce = {"allreduce": results["suites"].get("allreduce")}
-    allreduce.update({f"network_{link}": row["allreduce"] for link, row in results["suites"].get("network", {}).items()})
+    allreduce.update({f"network_{link}": row["allreduce"]
+                      for link, row in results["suites"].get("network", {}).items()})
     for name, rows in allreduce.items():
         if not rows:
             continue
@@ -203,8 +207,6 @@ def _plot(results, directory):
         ax.set_ylabel("bus bandwidth, GB/s")
         ax.set_title(f"all-reduce, 2 ranks{', across 2 nodes, link ' + name[8:] if name != 'allreduce' else ''}")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(directory, f"{name}.png"))
-        plt.close(fig)
+        _save(fig, directory, f"{name}.png")
 
 

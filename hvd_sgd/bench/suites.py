@@ -49,7 +49,8 @@ def run(plan):
                                         for controller in ("mpi", "gloo")}
         elif suite == "network":
             from hvd_sgd.bench import network
-            results["suites"][suite] = network.run(plan, paired, {m: STEPS[m, plan.quick] for m in plan.models}, plan.models)
+            steps = {m: STEPS[m, plan.quick] for m in plan.models}
+            results["suites"][suite] = network.run(plan, paired, steps, plan.models)
         elif suite == "project":
             from hvd_sgd.bench import project
             network = results["suites"]["network"]
