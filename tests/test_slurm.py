@@ -39,9 +39,17 @@ def submit_job(env, *sbatch_args):
     return job_id
 
 
-def job_state(env, job_id):
-    info = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
-    return re.search(r"JobState=(\w+)", info).group(1), int(re.search(r"Restarts=(\d+)", info).group(1))
+def job_state(env, job_id, patience=30):
+    """(state, restarts) of the job. A busy slurmctld can time out a query (CI saw one while a job
+    was requeued): ask again for up to ``patience`` seconds before failing with its message."""
+    deadline = time.monotonic() + patience
+    while True:
+        info = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True)
+        state, restarts = re.search(r"JobState=(\w+)", info.stdout), re.search(r"Restarts=(\d+)", info.stdout)
+        if state and restarts:
+            return state.group(1), int(restarts.group(1))
+        assert time.monotonic() < deadline, f"scontrol show job {job_id}: {info.stderr or info.stdout}"
+        time.sleep(1)
 
 
 def wait_for_job(env, job_id, timeout=240, hurry_requeued=False, until=None):
