@@ -65,12 +65,8 @@ def main_guard(main, prog):
 
 
 def check_versions():
-    """Stop early when Horovod cannot average gradients correctly with this TensorFlow/Keras."""
-    keras_package = "tf_keras" if os.environ.get("TF_USE_LEGACY_KERAS") == "1" else "keras"
-    keras_version = importlib.metadata.version(keras_package)
-    if int(keras_version.split(".")[0]) >= 3:
-        raise JobError(f"Keras {keras_version} is installed: Horovod 0.28.1's DistributedOptimizer does not "
-                       f"average gradients under Keras 3; install tensorflow-cpu==2.15.1 (Keras 2) with run/setup")
+    """Stop early when Horovod was not built against this TensorFlow (its extension would not
+    load, or misbehave). Keras 3 is fine: hvd_sgd.distributed averages the gradients there."""
     spec = importlib.util.find_spec("horovod")
     if spec is None:
         raise JobError("Horovod is not installed: run run/setup")

@@ -19,8 +19,8 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import (JobError, __version__, batches, checkpoint, config, datasets, files, models, preemption, schedules,
-                     startup)
+from hvd_sgd import (JobError, __version__, batches, checkpoint, config, datasets, distributed, files, models,
+                     preemption, schedules, startup)
 from hvd_sgd.watchdog import Watchdog
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -72,13 +72,14 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     lr = schedules.WarmupCosine(cfg.lr, passes if cfg.lr_scaling else 1, cfg.lr_scaling,
                                 warmup_steps, decay_steps, backward_passes_per_step=passes)
 
-    # 4. Wrap SGD in hvd.DistributedOptimizer: its gradients are the average over all ranks (and
-    #    over the backward passes of a step: it all-reduces once, after the last).
+    # 4. Wrap SGD in hvd.DistributedOptimizer (hvd_sgd's own under Keras 3, where Horovod's does not
+    #    average): its gradients are the average over all ranks (and over the backward passes of a
+    #    step: it all-reduces once, after the last).
     model = models.build(model_fn, (*splits.image_shape, 1), datasets.NUM_CLASSES, cfg.seed)
-    optimizer = hvd.DistributedOptimizer(
+    optimizer = distributed.DistributedOptimizer(
         tf.keras.optimizers.SGD(lr, momentum=cfg.momentum, nesterov=cfg.nesterov),
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
-        backward_passes_per_step=passes, average_aggregated_gradients=True)
+        backward_passes_per_step=passes)
     optimizer.build(model.trainable_variables)
     model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"])
     step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
@@ -97,7 +98,7 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
                     world.log(f"Slurm requeued job {os.environ.get('SLURM_JOB_ID')} (restart "
                               f"{os.environ['SLURM_RESTART_COUNT']}): resuming, as --resume would")
                 checkpoints.restore_latest()
-    state = model.variables + optimizer.variables + [step]
+    state = distributed.tf_variables(model.variables + optimizer.variables) + [step]
     if not cfg.elastic:  # elastic: hvd.elastic.run broadcasts rank 0's state at every (re)start
         hvd.broadcast_variables(state, root_rank=0)
         world.check_identical(state, "after the broadcast")

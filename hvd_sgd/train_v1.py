@@ -8,7 +8,7 @@ Same structure as the original: placeholders, softmax regression with zero-initi
 GradientDescentOptimizer, hooks, MonitoredTrainingSession, a `while not should_stop()` loop and
 the chief printing the test accuracy. What changed (docs/migrating-from-sync-replicas.md):
 hvd.DistributedOptimizer replaces SyncReplicasOptimizer (each step applies the mean of all
-replicas' gradients once), hvd.BroadcastGlobalVariablesHook(0) replaces the chief's
+replicas' gradients once), a hook that broadcasts rank 0's variables replaces the chief's
 initialisation, and there are no parameter servers: mpirun or horovodrun starts the workers.
 """
 import time
@@ -58,7 +58,7 @@ def main(argv=None):
 
         # sync_replicas_hook becomes the broadcast of rank 0's variables (restored ones on a re-run).
         start = _RunAfterCreation(global_step)  # after the broadcast: the step every rank resumes at
-        hooks = [hvd.BroadcastGlobalVariablesHook(0), start, tf1.train.StopAtStepHook(last_step=cfg.steps)]
+        hooks = [_BroadcastGlobalVariables(root_rank=0), start, tf1.train.StopAtStepHook(last_step=cfg.steps)]
         if w.is_chief:  # as in the original program, the chief evaluates and reports
             test_accuracy = _RunAtEnd(accuracy, {x: _flat(splits.x_test), y_: _one_hot(splits.y_test)})
             hooks.append(test_accuracy)
@@ -81,6 +81,21 @@ def main(argv=None):
                 world_size=w.size, per_rank_batch=cfg.batch_size, learning_rate=cfg.lr, wall_seconds=seconds,
                 images_per_second=(step - first_step) * cfg.batch_size * w.size / seconds))
         w.log(f"Test accuracy: {test_accuracy.value:.4f}")
+
+
+class _BroadcastGlobalVariables(tf1.train.SessionRunHook):
+    """hvd.BroadcastGlobalVariablesHook, which Horovod 0.28.1 defines only where TensorFlow still
+    has tf.estimator (up to 2.15): the same broadcast, on either stack."""
+
+    def __init__(self, root_rank):
+        self.root_rank = root_rank
+
+    def begin(self):
+        import horovod.tensorflow as hvd
+        self.broadcast = hvd.broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session, coord):
+        session.run(self.broadcast)
 
 
 class _RunAfterCreation(tf1.train.SessionRunHook):

@@ -1,6 +1,13 @@
 # Shared by the run/ scripts: paths and the Debian-package helper. Source it; do not run it.
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV=${HVD_SGD_VENV:-$ROOT/.venv}
+# Two stacks (README, "Two stacks"): default, TensorFlow 2.15 with Keras 2, in .venv; current, the
+# newest TensorFlow with Keras 3 and a patched Horovod build, in .venv-current.
+STACK=${HVD_SGD_STACK:-default}
+case $STACK in
+    default) VENV=${HVD_SGD_VENV:-$ROOT/.venv} ;;
+    current) VENV=${HVD_SGD_VENV:-$ROOT/.venv}-current ;;
+    *) echo "[hvd_sgd] error: HVD_SGD_STACK=$STACK: choose default or current" >&2; exit 2 ;;
+esac
 
 say() { echo "[hvd_sgd] $*" >&2; }
 die() { echo "[hvd_sgd] error: $*" >&2; exit 1; }

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvd_sgd import datasets, launchers
+from hvd_sgd import datasets, distributed, launchers
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+STACK = "current" if distributed.KERAS_3 else "default"  # the stack of this Python (run/lib.sh)
 # Tagged output of the launchers: "[1,0]<stdout>:" (mpirun --tag-output), "[0]<stdout>:" (Gloo).
 _TAG = re.compile(r"^\[[\d,]+\]<std(?:out|err)>:")
 

@@ -6,11 +6,12 @@ import subprocess
 
 import pytest
 
-from conftest import (PYTHON, ROOT, assert_same_weights, error_lines, launch, max_difference, output_lines, read_json,
-                      reported_accuracy, succeeded, train_and_save)
+from conftest import (PYTHON, ROOT, STACK, assert_same_weights, error_lines, launch, max_difference, output_lines,
+                      read_json, reported_accuracy, succeeded, train_and_save)
 from hvd_sgd import launchers
 
 
+@pytest.mark.both_stacks
 @pytest.mark.parametrize("launcher,np_", [("python", 1), ("mpirun", 2), ("horovodrun", 2), ("horovodrun-gloo", 2)])
 def test_every_launcher_trains_and_ranks_end_identical(launcher, np_, tmp_path, tiny_run):
     metrics = tmp_path / "metrics.json"
@@ -95,6 +96,7 @@ def test_horovod_cycle_is_zero_while_every_rank_has_a_core(env, expected, monkey
     assert startup._cycle_time_ms() == expected
 
 
+@pytest.mark.both_stacks
 @pytest.mark.parametrize("model", ["softmax", "mlp"])
 def test_n_ranks_with_batch_b_train_like_one_rank_with_batch_nb(model, tmp_path):
     """The heart of the product: synchronous averaging makes the number of ranks invisible."""
@@ -124,6 +126,7 @@ ACCUMULATION = ["--model", "mlp", "--train-examples", 640, "--test-examples", 50
                 "--warmup-epochs", 0]
 
 
+@pytest.mark.both_stacks
 def test_accumulation_trains_like_a_larger_batch_and_scales_the_rate_with_it(tmp_path):
     """2 ranks x 2 backward passes of 8 is one rank with batch 32: with --lr x scaled by ranks x
     passes (4x), and unscaled. A step is one update: 30 steps of 32 cross an epoch of 20."""
@@ -145,6 +148,7 @@ def test_accumulation_trains_like_a_larger_batch_and_scales_the_rate_with_it(tmp
     assert max_difference(same_rate, twice_the_rate) > 1e-3
 
 
+@pytest.mark.both_stacks
 def test_fp16_allreduce_sends_half_precision_and_keeps_the_accuracy(tmp_path):
     common = ["--model", "mlp", "--train-examples", 4096, "--test-examples", 2000, "--max-steps", 100,
               "--batch-size", 32, "--lr", "0.02"]
@@ -160,6 +164,7 @@ def test_fp16_allreduce_sends_half_precision_and_keeps_the_accuracy(tmp_path):
     assert 1e-5 < max_difference(fp32, fp16) < 0.05, max_difference(fp32, fp16)
 
 
+@pytest.mark.both_stacks
 def test_resume_continues_and_ends_where_an_uninterrupted_run_ends(tmp_path):
     """With gradient accumulation (without it: the reliability tests' resumes after a kill)."""
     common = ["--model", "mlp", "--lr", "0.02", "--train-examples", 1024, "--test-examples", 500,
@@ -191,13 +196,15 @@ def test_resume_on_another_number_of_ranks_needs_the_same_global_batch(tmp_path)
     assert_same_weights(straight, resumed, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.both_stacks
 @pytest.mark.slow
 def test_run_train_learns_and_the_saved_model_loads_with_plain_tensorflow(tmp_path):
     """The README's command (its set-up is done: seconds), on 2 ranks, on a quarter of MNIST."""
     model_path, metrics = tmp_path / "cnn.keras", tmp_path / "cnn.json"
     result = succeeded(subprocess.run(list(map(str, [
         ROOT / "run" / "train", "--train-examples", 16000, "--test-examples", 2000, "--save-model", model_path,
-        "--metrics-file", metrics, "--log-dir", tmp_path / "tb"])), env=launchers.environment(NP="2"),
+        "--metrics-file", metrics, "--log-dir", tmp_path / "tb"])),
+        env=launchers.environment(NP="2", HVD_SGD_STACK=STACK),
         capture_output=True, text=True, timeout=600))
     accuracy = reported_accuracy(result)
     assert accuracy >= 0.97 and read_json(metrics)["world_size"] == 2, accuracy

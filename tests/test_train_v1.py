@@ -13,6 +13,7 @@ def final_variables(checkpoint_dir):
     return {name: reader.get_tensor(name) for name in ("W", "b", "global_step")}
 
 
+@pytest.mark.both_stacks
 def test_two_ranks_reach_the_softmax_ceiling(tmp_path):
     metrics = tmp_path / "m.json"
     result = succeeded(launch("horovodrun", 2, "--lr", "0.5", "--steps", 300, "--metrics-file", metrics, module=V1))
@@ -21,6 +22,7 @@ def test_two_ranks_reach_the_softmax_ceiling(tmp_path):
     assert (summary["world_size"], summary["steps"]) == (2, 300)
 
 
+@pytest.mark.both_stacks
 def test_one_rank_batch_2b_equals_two_ranks_batch_b(tmp_path):
     common = ["--lr", "0.5", "--steps", 40, "--seed", 5]
     succeeded(launch("python", 1, *common, "--batch-size", 64, "--checkpoint-dir", tmp_path / "np1", module=V1))
@@ -32,6 +34,7 @@ def test_one_rank_batch_2b_equals_two_ranks_batch_b(tmp_path):
     assert np.abs(one["W"]).max() > 1e-3  # it trained
 
 
+@pytest.mark.both_stacks
 def test_rerun_with_the_checkpoint_dir_continues_the_global_step(tmp_path):
     common = ["--lr", "0.5", "--batch-size", 50]
     succeeded(launch("mpirun", 2, *common, "--steps", 60, "--checkpoint-dir", tmp_path / "straight", module=V1))

@@ -1,0 +1,48 @@
+"""What tells the two stacks apart (README, "Two stacks"): whether a wrapped Keras optimizer
+really averages the ranks' gradients. The tests marked both_stacks run on each stack."""
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import PYTHON, ROOT, STACK, output_lines, succeeded
+from hvd_sgd import launchers
+
+# Two ranks, one weight w = 0, one fit step at learning rate 1 on the mean absolute error
+# |w x - 100|, whose gradient is -x: rank r has x = r + 1, so its own step gives w = r + 1 and
+# the average step gives w = 1.5 on both ranks. Prints every rank's w.
+ONE_STEP = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+from hvd_sgd import distributed, startup
+startup.start(threads_per_rank=1)
+import horovod.tensorflow as hvd
+dense = tf.keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
+model = tf.keras.Sequential([tf.keras.Input((1,)), dense])
+sgd = tf.keras.optimizers.SGD(1.0)
+optimizer = dict(plain=lambda: sgd, horovod=lambda: hvd.DistributedOptimizer(sgd),
+                 hvd_sgd=lambda: distributed.DistributedOptimizer(sgd, hvd.Compression.none))[sys.argv[1]]()
+model.compile(optimizer=optimizer, loss="mae")
+model.fit(np.full((1, 1), hvd.rank() + 1.0), np.full((1, 1), 100.0), batch_size=1, verbose=0)
+weights = hvd.allgather_object(float(model.get_weights()[0][0, 0]))
+if hvd.rank() == 0:
+    print(json.dumps(weights))
+"""
+
+
+def weights_after_one_step(optimizer):
+    result = succeeded(subprocess.run([shutil.which("mpirun"), "-np", "2", PYTHON, "-c", ONE_STEP, optimizer], cwd=ROOT,
+                                      env=launchers.environment(), capture_output=True, text=True, timeout=120))
+    return json.loads(output_lines(result.stdout)[-1])
+
+
+@pytest.mark.both_stacks
+@pytest.mark.parametrize("optimizer,keras_2,keras_3", [
+    ("plain", [1.0, 2.0], [1.0, 2.0]),  # the control: each rank applies its own gradient
+    ("hvd_sgd", [1.5, 1.5], [1.5, 1.5]),  # hvd_sgd.distributed: the average, on either stack
+    ("horovod", [1.5, 1.5], [1.0, 2.0]),  # hvd.DistributedOptimizer: averages under Keras 2 only (#4290)
+])
+def test_only_a_wrapper_that_averages_on_this_stack_makes_the_ranks_agree(optimizer, keras_2, keras_3):
+    assert weights_after_one_step(optimizer) == pytest.approx(keras_3 if STACK == "current" else keras_2)
