@@ -59,6 +59,9 @@ class _AveragedKeras3:
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         # Keras calls this once per update, after its gradient accumulation and before the
         # variables change: the one all-reduce of a step, as hvd.DistributedOptimizer makes.
+        # One rank has nothing to average, and an all-reduce would wait for Horovod's next cycle
+        # (1 ms there): Horovod's own wrapper skips it too.
         import horovod.tensorflow as hvd
-        averaged = hvd.grouped_allreduce(list(grads), op=hvd.Average, compression=self.compression)
-        super()._backend_update_step(averaged, trainable_variables, learning_rate)
+        if hvd.size() > 1:
+            grads = hvd.grouped_allreduce(list(grads), op=hvd.Average, compression=self.compression)
+        super()._backend_update_step(grads, trainable_variables, learning_rate)

@@ -2,11 +2,25 @@
 
 One place for the command lines and the environment, used by the benchmark and the tests.
 """
+import contextlib
 import os
 import shutil
 import sys
 
 LAUNCHERS = ("python", "mpirun", "horovodrun", "horovodrun-gloo")
+_python = sys.executable  # the installation whose hvd_sgd is launched: this one, unless using_python says
+
+
+@contextlib.contextmanager
+def using_python(python):
+    """Launch another installation's hvd_sgd (its Python, its horovodrun) inside this block: the
+    benchmark's stacks suite runs both stacks (README, "Two stacks") side by side."""
+    global _python
+    saved, _python = _python, python
+    try:
+        yield
+    finally:
+        _python = saved
 
 
 def environment(**extra):
@@ -21,7 +35,7 @@ def command(launcher, np_, module, args=(), before_program=(), hosts=None):
     ``before_program`` (mpirun only): mpirun options, or a wrapper command, placed before the program.
     ``hosts``: the ranks' hosts, as ``-H`` takes them (``node1:2,node2:2``); none: this host.
     """
-    program = [sys.executable, "-m", module, *map(str, args)]
+    program = [_python, "-m", module, *map(str, args)]
     if launcher == "python":
         assert np_ == 1 and not hosts, "plain python runs one rank, here"
         return program
@@ -35,5 +49,5 @@ def command(launcher, np_, module, args=(), before_program=(), hosts=None):
 
 
 def venv_bin(name):
-    """A program installed beside this Python (horovodrun comes with Horovod)."""
-    return os.path.join(os.path.dirname(sys.executable), name)
+    """A program installed beside the launched Python (horovodrun comes with Horovod)."""
+    return os.path.join(os.path.dirname(_python), name)

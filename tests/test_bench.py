@@ -1,11 +1,13 @@
 """The benchmark runs in CI only as --quick, checked for numbers and files: never for timings."""
 import json
 import math
+import os
 import subprocess
 
 import pytest
 
 from conftest import PYTHON, ROOT
+from hvd_sgd.bench.suites import stack_python
 
 
 @pytest.mark.slow
@@ -25,8 +27,11 @@ def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
     for controller in ("mpi", "gloo"):
         r = suites["allreduce"][controller]
         assert len(r["horovod"]) == len(r["sizes"]) > 3 and all(v > 0 for v in r["horovod"])
+    mpi = suites["allreduce"]["mpi"]
     for raw in ("mpi4py", "mpi4py_fixed_buffers"):
-        assert len(suites["allreduce"]["mpi"][raw]) == len(suites["allreduce"]["mpi"]["sizes"])
+        assert len(mpi[raw]) == len(mpi["sizes"])
+    assert all(len(ratios) == results["rounds"] and min(ratios) > 0 for ratios in mpi["ratios"]), mpi["ratios"]
+    assert len(mpi["ratios"]) == len(mpi["sizes"]) and suites["allreduce"]["gloo"]["ratios"] == []
     assert set(suites["tta"]) == {"hvd_sgd_np1", "hvd_sgd_np2", "keras"}
     for row in suites["tta"].values():
         assert 0 < row["startup"]["training"] < row["seconds"] and len(row["curve"]) == 1, row
@@ -43,4 +48,28 @@ def test_the_projection_needs_the_network_suite_before_it(tmp_path):
     result = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--suites", "project", "--results-dir", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "project needs network before it" in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(stack_python("current")), reason="no current stack: run/test sets it up")
+def test_the_stacks_suite_runs_each_stack_side_by_side(tmp_path):
+    result = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--quick", "--suites", "stacks", "--models", "softmax",
+                             "--results-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["suites"]["stacks"]
+    assert list(rows) == ["softmax"]
+    for stack in ("default", "current"):
+        for suite in ("overhead", "scaling"):
+            row = dict(rows["softmax"][stack][suite])
+            row.pop("rounds")
+            assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in row.values()), row
+    assert set(rows["softmax"]["current_over_default"]) == {"np1", "np2"}
+    assert "| softmax | current |" in (tmp_path / "results.md").read_text()
+
+
+def test_an_unknown_model_is_refused_before_anything_runs(tmp_path):
+    result = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--models", "softmax,lenet", "--results-dir", tmp_path],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--models: unknown ['lenet']" in result.stderr.splitlines()[-1]
     assert not (tmp_path / "results.json").exists()

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import PYTHON, ROOT, STACK, output_lines, succeeded
+from conftest import PYTHON, ROOT, STACK, error_lines, launch, output_lines, succeeded
 from hvd_sgd import launchers
 
 # Two ranks, one weight w = 0, one fit step at learning rate 1 on the mean absolute error
@@ -46,3 +46,13 @@ def weights_after_one_step(optimizer):
 ])
 def test_only_a_wrapper_that_averages_on_this_stack_makes_the_ranks_agree(optimizer, keras_2, keras_3):
     assert weights_after_one_step(optimizer) == pytest.approx(keras_3 if STACK == "current" else keras_2)
+
+
+@pytest.mark.both_stacks
+def test_elastic_mode_is_refused_in_one_line_on_the_current_stack(tiny_run):
+    """Horovod's elastic state calls optimizer.variables() and assigns through broadcast_variables,
+    neither of which a Keras 3 optimizer's variables allow: refused before training, not halfway."""
+    result = launch("python", 1, "--elastic", "--max-steps", 1, *tiny_run)
+    [line] = error_lines(result)
+    expected = "--elastic needs the default stack" if STACK == "current" else "--elastic needs horovodrun's elastic"
+    assert result.returncode == 1 and expected in line and "Traceback" not in result.stderr, result.stderr[-2000:]

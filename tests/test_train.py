@@ -96,6 +96,34 @@ def test_horovod_cycle_is_zero_while_every_rank_has_a_core(env, expected, monkey
     assert startup._cycle_time_ms() == expected
 
 
+FAULTS_PER_ALLREDUCE = """
+import resource, sys
+import tensorflow as tf
+from hvd_sgd import startup
+startup.start()
+import horovod.tensorflow as hvd
+tensor = hvd.allreduce(tf.zeros(16 << 20))  # 64 MiB, the allocator warmed up
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(4):
+    tensor = hvd.allreduce(tensor, op=hvd.Sum)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4)
+"""
+
+
+@pytest.mark.both_stacks
+@pytest.mark.parametrize("allocator,most", [(None, 1024), ("false", None)])
+def test_a_large_all_reduce_reuses_its_output_memory(allocator, most):
+    """TensorFlow's default CPU allocator faults 16k fresh pages in for each 64 MiB output; hvd_sgd
+    sets its BFC allocator, which keeps them (the user's TF_CPU_ALLOCATOR_USE_BFC wins)."""
+    env = {k: v for k, v in launchers.environment().items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+    env.update({"TF_CPU_ALLOCATOR_USE_BFC": allocator} if allocator else {})
+    result = subprocess.run([PYTHON, "-c", FAULTS_PER_ALLREDUCE], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    faults = float(result.stdout.split()[-1])
+    assert faults < most if most else faults > (64 << 20) // 4096 // 2, faults
+
+
 @pytest.mark.both_stacks
 @pytest.mark.parametrize("model", ["softmax", "mlp"])
 def test_n_ranks_with_batch_b_train_like_one_rank_with_batch_nb(model, tmp_path):

@@ -1,5 +1,6 @@
 """``python -m hvd_sgd.bench``: run the suites and write the report, or (``worker …``) be one contender."""
 import argparse
+import os
 import sys
 import time
 
@@ -18,10 +19,14 @@ def main(argv=None):
     parser.add_argument("--results-dir", default="results/bench",
                         help="where results.json, results.md and the PNG plots go")
     parser.add_argument("--suites", default=",".join(suites.DEFAULT_SUITES),
-                        help=f"comma-separated, from {','.join(suites.SUITES)} (network: as root, on a virtual "
-                             f"cluster of 2 nodes that it starts and stops)")
+                        help=f"comma-separated, from {','.join(suites.SUITES)} (stacks: overhead and scaling on "
+                             f"both stacks, the current one set up too; network: as root, on a virtual cluster of "
+                             f"2 nodes that it starts and stops)")
     parser.add_argument("--links", default=",".join(network.LINKS),
                         help=f"the network suite's links, from {','.join(network.LINKS)}")
+    parser.add_argument("--models",
+                        help=f"comma-separated, from {','.join(suites.MODELS)}: the models the overhead, scaling, "
+                             f"peer, stacks and network suites measure (default: all; with --quick the first two)")
     parser.add_argument("--rounds", type=int,
                         help="times each pair of contenders runs, alternating (default 3; 1 with --quick)")
     args = parser.parse_args(argv)
@@ -30,13 +35,19 @@ def main(argv=None):
         parser.error(f"--suites: unknown {sorted(set(chosen) - set(suites.SUITES))}")
     if "project" in chosen and ("network" not in chosen or chosen.index("network") > chosen.index("project")):
         parser.error("--suites: project needs network before it (it projects from network's measurements)")
+    if "stacks" in chosen and not os.path.exists(suites.stack_python("current")):
+        parser.error(f"--suites stacks: no current stack at {suites.stack_python('current')}: "
+                     f"set it up with HVD_SGD_STACK=current run/setup (run/bench does)")
     links = tuple(args.links.split(","))
     if not set(links) <= set(network.LINKS):
         parser.error(f"--links: unknown {sorted(set(links) - set(network.LINKS))}")
+    models = tuple(args.models.split(",")) if args.models else suites.default_models(args.quick)
+    if not set(models) <= set(suites.MODELS):
+        parser.error(f"--models: unknown {sorted(set(models) - set(suites.MODELS))}")
     rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
     if rounds < 1:
         parser.error(f"--rounds must be at least 1, got {rounds}")
-    plan = suites.Plan(args.quick, args.results_dir, chosen, rounds, links)
+    plan = suites.Plan(args.quick, args.results_dir, chosen, rounds, models, links)
     started = time.perf_counter()
     results = suites.run(plan)
     results["seconds"] = time.perf_counter() - started

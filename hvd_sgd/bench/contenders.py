@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
@@ -91,15 +92,29 @@ def mwms_throughput(model, global_batch, steps, workers, threads):
     return _results(processes)[0]["images_per_second"]
 
 
-def allreduce_bandwidth(controller, sizes, nodes=None):
-    """hvd.allreduce under the given controller; raw MPI (mpi4py, in processes without Horovod) beside the MPI one."""
+def allreduce_bandwidth(controller, sizes, rounds, nodes=None):
+    """hvd.allreduce under the given controller; raw MPI (mpi4py, in processes without Horovod) beside the MPI one.
+
+    ``rounds`` pairs of runs, alternating which library goes first, as ``suites.paired`` does:
+    per size each library's median bus bandwidth and, for MPI, the per-round ratios hvd / mpi4py."""
     sizes = ",".join(map(str, sizes))
     launcher = "mpirun" if controller == "mpi" else "horovodrun-gloo"
-    result = _results([_start(_worker(launcher, 2, "allreduce", "horovod", sizes, nodes=nodes), 1)])[0]
-    raw = _results([_start(_worker("mpirun", 2, "allreduce", "mpi4py", sizes, nodes=nodes), 1)])[0] \
-        if controller == "mpi" else {}
-    return dict(sizes=result["sizes"], horovod=result["bandwidth"], mpi4py=raw.get("bandwidth", []),
-                mpi4py_fixed_buffers=raw.get("bandwidth_fixed", []))
+    launcher_of = {"horovod": launcher, "mpi4py": "mpirun"} if controller == "mpi" else {"horovod": launcher}
+    runs = {library: [] for library in launcher_of}
+    for i in range(rounds):
+        for library in launcher_of if i % 2 == 0 else reversed(launcher_of):
+            runs[library].append(_results([_start(_worker(launcher_of[library], 2, "allreduce", library, sizes,
+                                                          nodes=nodes), 1)])[0])
+
+    def median(library, key):
+        return [statistics.median(by_size) for by_size in zip(*(r[key] for r in runs[library]))] \
+            if library in runs else []
+
+    ratios = [[h / m for h, m in zip(hvd["bandwidth"], raw["bandwidth"])]
+              for hvd, raw in zip(runs["horovod"], runs.get("mpi4py", []))]
+    return dict(sizes=runs["horovod"][0]["sizes"], horovod=median("horovod", "bandwidth"),
+                mpi4py=median("mpi4py", "bandwidth"), mpi4py_fixed_buffers=median("mpi4py", "bandwidth_fixed"),
+                ratios=[list(by_size) for by_size in zip(*ratios)])
 
 
 # Start-up's phases, each ending at the timeline's mark of that name ("end": the command's end).

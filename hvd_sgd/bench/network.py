@@ -49,7 +49,7 @@ def run(plan, paired, steps, models):
             def hvd_sgd_2_nodes(model, n):
                 return contenders.hvd_sgd_throughput(2, model, n, nodes)
 
-            row = dict(allreduce={c: contenders.allreduce_bandwidth(c, plan.allreduce_sizes, nodes)
+            row = dict(allreduce={c: contenders.allreduce_bandwidth(c, plan.allreduce_sizes, plan.rounds, nodes)
                                   for c in controllers})
             for model in models:
                 row[model] = paired((hvd_sgd_2_nodes, contenders.independent_2x1), model, steps[model], plan.rounds)

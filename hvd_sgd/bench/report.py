@@ -1,6 +1,7 @@
 """The report: PASS/MISS per target, results.json, results.md and PNG plots."""
 import json
 import os
+import statistics
 
 from hvd_sgd.bench.suites import contender_names
 
@@ -24,7 +25,8 @@ def verdicts(results):
     if "allreduce" in results["suites"]:
         name, minimum, from_bytes = ALLREDUCE_TARGET
         mpi = results["suites"]["allreduce"]["mpi"]
-        worst = min(h / m for size, h, m in zip(mpi["sizes"], mpi["horovod"], mpi["mpi4py"]) if size >= from_bytes)
+        worst = min(statistics.median(ratios) for size, ratios in zip(mpi["sizes"], mpi["ratios"])
+                    if size >= from_bytes)
         lines.append((name, worst, minimum, worst >= minimum))
     return lines
 
@@ -60,6 +62,8 @@ def write(results, directory):
             md += _tta_tables(rows)
         elif suite == "project":
             md += _project_tables(rows)
+        elif suite == "stacks":
+            md += _stacks_table(rows)
         else:
             keys = contender_names(next(iter(rows.values())))
             md += [f"| model | {' img/s | '.join(keys)} img/s | ratio | per-round ratios |",
@@ -77,16 +81,17 @@ def write(results, directory):
 
 
 def _allreduce_table(rows):
-    lines = ["Bus bandwidth, GB/s. Each all-reduce reduces the previous one's result; the last two columns "
-             "reduce one cache-warm send buffer over and over (textbook loop, shown, not the target).", "",
-             "| controller | size | hvd.allreduce | mpi4py Allreduce | ratio | mpi4py, fixed buffers | ratio |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["Bus bandwidth, GB/s, each library's median over the rounds. Each all-reduce reduces the previous "
+             "one's result; ratio: the median of the per-round ratios (range in brackets). The last column "
+             "reduces one send buffer over and over (the textbook loop, shown, not the target).", "",
+             "| controller | size | hvd.allreduce | mpi4py Allreduce | ratio | per-round range | "
+             "mpi4py, fixed buffers |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for controller, r in rows.items():
         for i, size in enumerate(r["sizes"]):
-            ours = r["horovod"][i]
-            versus = " | ".join(f"{r[k][i]:.3f} | {ours / r[k][i]:.2f}" if r[k] else "— | —"
-                                for k in ("mpi4py", "mpi4py_fixed_buffers"))
-            lines.append(f"| {controller} | {_size(size)} | {ours:.3f} | {versus} |")
+            versus = (f"{r['mpi4py'][i]:.3f} | {statistics.median(r['ratios'][i]):.2f} | "
+                      f"{min(r['ratios'][i]):.2f}-{max(r['ratios'][i]):.2f} | {r['mpi4py_fixed_buffers'][i]:.3f}"
+                      if r["mpi4py"] else "— | — | — | —")
+            lines.append(f"| {controller} | {_size(size)} | {r['horovod'][i]:.3f} | {versus} |")
     return lines
 
 
@@ -127,6 +132,22 @@ def _project_tables(p):
            f"{a['published_efficiency']:.2f} (difference {difference:+.2f}).",
            "", "Assumptions:", "", *[f"- {line}" for line in p["assumptions"]]]
     return md
+
+
+def _stacks_table(rows):
+    lines = ["The overhead and scaling suites on each stack (default: TensorFlow 2.15, Keras 2; current: "
+             "the newest TensorFlow, Keras 3), and hvd_sgd's img/s on the current stack over the default's.", "",
+             "| model | stack | hvd_sgd 1 rank | plain Keras | overhead ratio | hvd_sgd 2 ranks | 2 independent | "
+             "scaling | current / default |", "| --- |" + " --- |" * 8]
+    for model, row in rows.items():
+        for stack in (s for s in row if s != "current_over_default"):
+            overhead, scaling = row[stack]["overhead"], row[stack]["scaling"]
+            versus = ", ".join(f"{k} {v:.2f}" for k, v in row["current_over_default"].items()) \
+                if stack == "current" else ""
+            lines.append(f"| {model} | {stack} | {overhead['hvd_sgd_np1']:.0f} | {overhead['keras_np1']:.0f} | "
+                         f"{overhead['ratio']:.2f} | {scaling['hvd_sgd_np2']:.0f} | {scaling['independent_2x1']:.0f} | "
+                         f"{scaling['ratio']:.2f} | {versus} |")
+    return lines
 
 
 def _size(n):

@@ -4,11 +4,16 @@ import json
 import os
 import platform
 import statistics
+import sys
 
+from hvd_sgd import launchers
 from hvd_sgd.bench import contenders
 
-SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "network", "project")
-DEFAULT_SUITES = SUITES[:-2]  # network: needs root and a virtual cluster (run/cluster); project: network's results
+SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "stacks", "network", "project")
+# stacks: needs the current stack set up too; network: root and a virtual cluster (run/cluster);
+# project: network's results.
+DEFAULT_SUITES = SUITES[:-3]
+STACKS = ("default", "current")
 MODELS = ("softmax", "classic_cnn", "cnn")  # quick: the first two (the targets' models)
 # Each paired suite: hvd_sgd first, the contender it is measured against second (ratio = first / second).
 PAIRS = {
@@ -18,7 +23,7 @@ PAIRS = {
 }
 TTA_CONTENDERS = ("hvd_sgd_np1", "hvd_sgd_np2", "keras")
 STEPS = {("softmax", True): 300, ("softmax", False): 3000, ("classic_cnn", True): 40, ("classic_cnn", False): 300,
-         ("cnn", False): 1000}  # (model, quick)
+         ("cnn", True): 100, ("cnn", False): 1000}  # (model, quick)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,16 +32,17 @@ class Plan:
     results_dir: str
     suites: tuple
     rounds: int
+    models: tuple  # the paired suites' (overhead, scaling, peer, stacks, network)
     links: tuple = ()  # the network suite's, from network.LINKS
-
-    @property
-    def models(self):
-        return MODELS[:2] if self.quick else MODELS
 
     @property
     def allreduce_sizes(self):
         top = 22 if self.quick else 26  # 4 MiB or 64 MiB
         return [1 << p for p in range(12, top + 1, 2)]
+
+
+def default_models(quick):
+    return MODELS[:2] if quick else MODELS
 
 
 def run(plan):
@@ -45,8 +51,9 @@ def run(plan):
     for suite in plan.suites:
         print(f"== {suite}", flush=True)
         if suite == "allreduce":
-            results["suites"][suite] = {controller: contenders.allreduce_bandwidth(controller, plan.allreduce_sizes)
-                                        for controller in ("mpi", "gloo")}
+            results["suites"][suite] = {
+                controller: contenders.allreduce_bandwidth(controller, plan.allreduce_sizes, plan.rounds)
+                for controller in ("mpi", "gloo")}
         elif suite == "network":
             from hvd_sgd.bench import network
             steps = {m: STEPS[m, plan.quick] for m in plan.models}
@@ -56,6 +63,8 @@ def run(plan):
             network = results["suites"]["network"]
             models = {m for row in network.values() for m in row if m != "allreduce"}
             results["suites"][suite] = project.run(network, project.parameter_counts(models))
+        elif suite == "stacks":
+            results["suites"][suite] = stacks(plan)
         elif suite == "tta":
             results["suites"][suite] = {c: contenders.time_to_accuracy(c, plan.quick) for c in TTA_CONTENDERS}
         else:
@@ -65,6 +74,30 @@ def run(plan):
                 print(f"   {model}: {json.dumps(rows[model])}", flush=True)
             results["suites"][suite] = rows
     return results
+
+
+def stack_python(stack):
+    """The Python of a stack's installation (run/lib.sh): .venv, .venv-current beside it."""
+    prefix = sys.prefix.removesuffix("-current")
+    return os.path.join(prefix + ("-current" if stack == "current" else ""), "bin", "python")
+
+
+def stacks(plan):
+    """The overhead and scaling suites on each stack (README, "Two stacks"), one after the other
+    for each model; then the current stack's hvd_sgd throughput over the default's, at 1 and 2 ranks."""
+    rows = {}
+    for model in plan.models:
+        rows[model] = {}
+        for stack in STACKS:
+            with launchers.using_python(stack_python(stack)):
+                rows[model][stack] = {suite: paired(PAIRS[suite], model, STEPS[model, plan.quick], plan.rounds)
+                                      for suite in ("overhead", "scaling")}
+        by_stack = rows[model]
+        rows[model]["current_over_default"] = {
+            f"np{n}": by_stack["current"][suite][name] / by_stack["default"][suite][name]
+            for n, suite, name in ((1, "overhead", "hvd_sgd_np1"), (2, "scaling", "hvd_sgd_np2"))}
+        print(f"   {model}: {json.dumps(rows[model]['current_over_default'])}", flush=True)
+    return rows
 
 
 def paired(pair, model, steps, rounds):

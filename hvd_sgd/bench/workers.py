@@ -5,6 +5,7 @@ Each worker measures one thing and its chief reports it through ``protocol.repor
 import functools
 import json
 import os
+import statistics
 import time
 
 import numpy as np
@@ -110,25 +111,36 @@ def mwms(model_name, global_batch, steps, threads):
         protocol.report(dict(images_per_second=timer.images_per_second()))
 
 
+ALLREDUCE_BLOCKS, ALLREDUCE_BLOCK_SECONDS = 5, 0.1
+
+
 def allreduce(library, sizes):
     """Bus bandwidth of a float32 sum all-reduce, per size: hvd.allreduce, or mpi4py's Allreduce.
 
     Both run the same chain, each all-reduce reducing the previous one's result (zeros, so the
     sums stay finite), as training reduces fresh gradients each step: hvd.allreduce in a compiled
     tf.function loop, as training runs it. mpi4py also reports the textbook loop that reduces one
-    send buffer over and over (``bandwidth_fixed``)."""
+    send buffer over and over (``bandwidth_fixed``). Per size: a warm-up, then the median of
+    ALLREDUCE_BLOCKS timed blocks of about ALLREDUCE_BLOCK_SECONDS each (a block that the machine's
+    noise slowed does not count)."""
     sizes = [int(s) for s in str(sizes).split(",")]
-    loops, size, is_chief = _horovod_loops() if library == "horovod" else _mpi4py_loops()
+    loops, size, is_chief, from_rank_0 = _horovod_loops() if library == "horovod" else _mpi4py_loops()
     result = dict(sizes=sizes)
     for key, make in loops.items():
         result[key] = []
         for nbytes in sizes:
-            run, iterations = make(nbytes), max(5, min(200, (256 << 20) // nbytes))
-            run(3)
+            run = make(nbytes)
+            run(2)  # traces the chain for this size and allocates its buffers
             start = time.perf_counter()
-            run(iterations)
-            seconds = (time.perf_counter() - start) / iterations
-            result[key].append(2 * (size - 1) / size * nbytes / seconds / 1e9)
+            run(5)  # sizes the blocks
+            iterations = max(5, min(1000, int(ALLREDUCE_BLOCK_SECONDS * 5 / (time.perf_counter() - start))))
+            iterations = from_rank_0(iterations)  # every rank runs as many
+            seconds = []
+            for _ in range(ALLREDUCE_BLOCKS):
+                start = time.perf_counter()
+                run(iterations)
+                seconds.append((time.perf_counter() - start) / iterations)
+            result[key].append(2 * (size - 1) / size * nbytes / statistics.median(seconds) / 1e9)
     if is_chief:
         protocol.report(result)
 
@@ -147,7 +159,7 @@ def _horovod_loops():
         tensor = tf.zeros(nbytes // 4, tf.float32)
         return lambda iterations: allreduce_chain(tensor, tf.constant(iterations)).numpy()
 
-    return dict(bandwidth=chain), world.size, world.is_chief
+    return dict(bandwidth=chain), world.size, world.is_chief, lambda n: hvd.broadcast_object(n, root_rank=0)
 
 
 def _mpi4py_loops():
@@ -168,7 +180,7 @@ def _mpi4py_loops():
 
     loops = dict(bandwidth=functools.partial(mpi_chain, fixed=False),
                  bandwidth_fixed=functools.partial(mpi_chain, fixed=True))
-    return loops, comm.Get_size(), comm.Get_rank() == 0
+    return loops, comm.Get_size(), comm.Get_rank() == 0, lambda n: comm.bcast(n, root=0)
 
 
 WORKERS = {"keras": keras, "keras_recipe": keras_recipe, "mwms": mwms, "allreduce": allreduce}
