@@ -12,18 +12,19 @@ from hvd_sgd.bench.suites import stack_python
 
 @pytest.mark.slow
 def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
-    result = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--quick", "--results-dir", str(tmp_path)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    """One model: a second one runs the same code and cost 1.5 minutes of CI on the slow machine type."""
+    result = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--quick", "--models", "softmax", "--results-dir",
+                             str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     suites = results["suites"]
     assert set(suites) == {"overhead", "scaling", "peer", "allreduce", "tta"}
     for suite in ("overhead", "scaling", "peer"):
-        for model in ("softmax", "classic_cnn"):
-            row = dict(suites[suite][model])
-            rounds = row.pop("rounds")
-            assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in row.values()), row
-            assert all(len(values) == results["rounds"] == 1 for values in rounds.values()), rounds
+        assert list(suites[suite]) == ["softmax"]
+        row = dict(suites[suite]["softmax"])
+        rounds = row.pop("rounds")
+        assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in row.values()), row
+        assert all(len(values) == results["rounds"] == 1 for values in rounds.values()), rounds
     for controller in ("mpi", "gloo"):
         r = suites["allreduce"][controller]
         assert len(r["horovod"]) == len(r["sizes"]) > 3 and all(v > 0 for v in r["horovod"])
@@ -37,7 +38,7 @@ def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
         assert 0 < row["startup"]["training"] < row["seconds"] and len(row["curve"]) == 1, row
         assert row["seconds"] == pytest.approx(sum(row["startup"].values()))
         assert (row["to_target"] is None) == (row["accuracy"] < row["target"]), row
-    assert len(results["verdicts"]) == 6 and all(v["passed"] in (True, False) for v in results["verdicts"])
+    assert len(results["verdicts"]) == 3 and all(v["passed"] in (True, False) for v in results["verdicts"])
     for name in ("results.md", "tta.png", "overhead.png", "scaling.png", "peer.png", "scaling_efficiency.png",
                  "allreduce.png"):
         assert (tmp_path / name).stat().st_size > 0

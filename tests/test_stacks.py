@@ -56,3 +56,18 @@ def test_elastic_mode_is_refused_in_one_line_on_the_current_stack(tiny_run):
     [line] = error_lines(result)
     expected = "--elastic needs the default stack" if STACK == "current" else "--elastic needs horovodrun's elastic"
     assert result.returncode == 1 and expected in line and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.both_stacks
+@pytest.mark.skipif(STACK != "current", reason="Keras 2: hvd_sgd's wrapper is Horovod's, which averages")
+@pytest.mark.parametrize("optimizer,expected", [
+    ("hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))", "is already wrapped"),
+    ("tf.keras.optimizers.SGD(0.1, clipnorm=1.0)", "gradient clipping would clip each rank's gradient"),
+])
+def test_the_keras_3_wrapper_refuses_what_would_not_average(optimizer, expected):
+    """Under Keras 3 a Horovod-wrapped optimizer would apply each rank's own gradient, and Keras
+    would clip before the all-reduce: hvd_sgd's wrapper refuses both, in one line."""
+    code = (f"import tensorflow as tf, horovod.tensorflow as hvd\nfrom hvd_sgd import distributed\n"
+            f"distributed.DistributedOptimizer({optimizer}, hvd.Compression.none)")
+    result = subprocess.run([PYTHON, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and expected in result.stderr.splitlines()[-1], result.stderr[-2000:]
