@@ -15,7 +15,8 @@ from hvd_sgd import launchers
 from test_reliability import checkpoint_from_step, ended_within, start_and_wait
 from test_slurm import run_job
 
-pytestmark = pytest.mark.multinode
+# run/test's xdist workers run the cluster tests (this file's and test_slurm's) on one worker, in order.
+pytestmark = [pytest.mark.multinode, pytest.mark.xdist_group("clusters")]
 CLUSTER = ROOT / "run" / "cluster"
 STATE = ROOT / ".cluster-test"
 HOSTS = "node1:2,node2:2"

@@ -9,7 +9,8 @@ import pytest
 from conftest import ROOT, launch, read_json, succeeded
 from test_reliability import LONG_RUN, checkpoint_from_step
 
-pytestmark = pytest.mark.slurm
+# run/test's xdist workers run the cluster tests (this file's and test_multinode's) on one worker, in order.
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("clusters")]
 CLUSTER = ROOT / "run" / "slurm" / "local-cluster"
 
 

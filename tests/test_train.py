@@ -144,7 +144,7 @@ def test_lr_scaling_is_the_linear_rule(tmp_path):
     common = ["--model", "softmax", "--train-examples", 640, "--test-examples", 500, "--max-steps", 10,
               "--warmup-epochs", 0]
     one = train_and_save(tmp_path, "np1", "python", 1, *common, "--batch-size", 32, "--lr", "0.2", "--no-lr-scaling")
-    two = train_and_save(tmp_path, "np2", "horovodrun", 2, *common, "--batch-size", 16, "--lr", "0.1")
+    two = train_and_save(tmp_path, "np2", "mpirun", 2, *common, "--batch-size", 16, "--lr", "0.1")
     assert_same_weights(one, two, rtol=1e-4, atol=1e-5)
 
 
@@ -159,13 +159,13 @@ def test_accumulation_trains_like_a_larger_batch_and_scales_the_rate_with_it(tmp
     """2 ranks x 2 backward passes of 8 is one rank with batch 32: with --lr x scaled by ranks x
     passes (4x), and unscaled. A step is one update: 30 steps of 32 cross an epoch of 20."""
     metrics = tmp_path / "m.json"
-    scaled = train_and_save(tmp_path, "scaled", "horovodrun", 2, *ACCUMULATION, "--batch-size", 8,
+    scaled = train_and_save(tmp_path, "scaled", "mpirun", 2, *ACCUMULATION, "--batch-size", 8,
                             "--backward-passes-per-step", 2, "--lr", "0.05", "--metrics-file", metrics)
     summary = read_json(metrics)
     assert (summary["steps"], summary["epochs"], summary["global_batch"], summary["learning_rate"]) == (30, 1.5, 32, 0.2)
     assert_same_weights(scaled, train_and_save(tmp_path, "lr4x", "python", 1, *ACCUMULATION, "--batch-size", 32,
                                                "--lr", "0.2", "--no-lr-scaling"), rtol=1e-4, atol=1e-5)
-    unscaled = train_and_save(tmp_path, "unscaled", "horovodrun", 2, *ACCUMULATION, "--batch-size", 8,
+    unscaled = train_and_save(tmp_path, "unscaled", "mpirun", 2, *ACCUMULATION, "--batch-size", 8,
                               "--backward-passes-per-step", 2, "--lr", "0.05", "--no-lr-scaling")
     same_rate = train_and_save(tmp_path, "lr1x", "python", 1, *ACCUMULATION, "--batch-size", 32, "--lr", "0.05",
                                "--no-lr-scaling")
@@ -183,7 +183,7 @@ def test_fp16_allreduce_sends_half_precision_and_keeps_the_accuracy(tmp_path):
     results = {}
     for name, extra in (("fp32", []), ("fp16", ["--fp16-allreduce"])):
         metrics = tmp_path / f"{name}.json"
-        weights = train_and_save(tmp_path, name, "horovodrun", 2, *common, *extra, "--metrics-file", metrics)
+        weights = train_and_save(tmp_path, name, "mpirun", 2, *common, *extra, "--metrics-file", metrics)
         results[name] = weights, read_json(metrics)
     (fp32, fp32_summary), (fp16, fp16_summary) = results["fp32"], results["fp16"]
     assert len(set(fp16_summary["weight_checksums"])) == 1  # the ranks still end bit-identical
