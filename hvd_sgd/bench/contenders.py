@@ -92,19 +92,25 @@ def mwms_throughput(model, global_batch, steps, workers, threads):
     return _results(processes)[0]["images_per_second"]
 
 
+def alternating(contenders, rounds):
+    """``rounds`` runs of each contender, one after the other, the order reversed every other
+    round: this machine's speed drifts over minutes, so neither goes first every time."""
+    for i in range(rounds):
+        yield from contenders if i % 2 == 0 else reversed(contenders)
+
+
 def allreduce_bandwidth(controller, sizes, rounds, nodes=None):
     """hvd.allreduce under the given controller; raw MPI (mpi4py, in processes without Horovod) beside the MPI one.
 
-    ``rounds`` pairs of runs, alternating which library goes first, as ``suites.paired`` does:
-    per size each library's median bus bandwidth and, for MPI, the per-round ratios hvd / mpi4py."""
+    ``rounds`` pairs of runs (``alternating``): per size each library's median bus bandwidth and,
+    for MPI, the per-round ratios hvd / mpi4py."""
     sizes = ",".join(map(str, sizes))
     launcher = "mpirun" if controller == "mpi" else "horovodrun-gloo"
     launcher_of = {"horovod": launcher, "mpi4py": "mpirun"} if controller == "mpi" else {"horovod": launcher}
     runs = {library: [] for library in launcher_of}
-    for i in range(rounds):
-        for library in launcher_of if i % 2 == 0 else reversed(launcher_of):
-            runs[library].append(_results([_start(_worker(launcher_of[library], 2, "allreduce", library, sizes,
-                                                          nodes=nodes), 1)])[0])
+    for library in alternating(list(launcher_of), rounds):
+        runs[library].append(_results([_start(_worker(launcher_of[library], 2, "allreduce", library, sizes,
+                                                      nodes=nodes), 1)])[0])
 
     def median(library, key):
         return [statistics.median(by_size) for by_size in zip(*(r[key] for r in runs[library]))] \

@@ -107,9 +107,8 @@ def paired(pair, model, steps, rounds):
     holds each contender's median and the median of the per-round ratios (first / second), each
     ratio taken from two runs seconds apart."""
     runs = {contender.__name__: [] for contender in pair}
-    for i in range(rounds):
-        for contender in pair if i % 2 == 0 else reversed(pair):
-            runs[contender.__name__].append(contender(model, steps))
+    for contender in contenders.alternating(pair, rounds):
+        runs[contender.__name__].append(contender(model, steps))
     first, second = runs.values()
     ratios = [a / b for a, b in zip(first, second)]
     return {**{name: statistics.median(values) for name, values in runs.items()},
