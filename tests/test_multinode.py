@@ -164,13 +164,14 @@ def rank_pids_on(cluster, node):
 
 
 def test_a_stalled_rank_on_the_other_node_is_named_with_its_host(cluster, shared):
-    run, _ = start_long_run(cluster, shared, "--stall-timeout", 10)
+    stall_timeout = 20  # start-up is not a stall: under load (xdist's other worker) it can take 10 s
+    run, _ = start_long_run(cluster, shared, "--stall-timeout", stall_timeout)
     victims = rank_pids_on(cluster, "node2")
     assert victims, "no rank found on node2"
     os.kill(victims[0], signal.SIGSTOP)  # one PID space: the nodes' processes are this machine's
     stopped = time.monotonic()
     status, stdout, stderr = ended_within(run, 60)
-    assert status != 0 and time.monotonic() - stopped < 10 + 15
+    assert status != 0 and time.monotonic() - stopped < stall_timeout + 15
     lines = [line for line in output_lines(stderr) if "stopped responding" in line]
     assert len(lines) == 1 and "(node2) stopped responding" in lines[0], stderr[-3000:]
 
