@@ -75,6 +75,12 @@ def wait_for_job(env, job_id, timeout=240, hurry_requeued=False, until=None):
         time.sleep(0.5)
 
 
+def requeued(times):
+    """An ``until`` for wait_for_job: the job is back in the queue after its ``times``-th requeue.
+    Restarts counts a requeue while the old run is still COMPLETING (CI saw that state): wait on."""
+    return lambda state, restarts: restarts == times and state == "PENDING"
+
+
 def submit(slurm, tmp_path, launcher, *args):
     """The real job script on 2 tasks; returns (job state, job output)."""
     output = tmp_path / "job.out"
@@ -121,7 +127,7 @@ def test_a_job_stopped_by_its_time_limit_and_by_scancel_resumes_each_time_as_one
                         "--ntasks-per-node=2", "--time=1", "--signal=B:USR1@10", ROOT / "run" / "slurm" / "train.sbatch",
                         *run, "--checkpoint-dir", checkpoints)
     log = lambda: output.read_text()[-3000:]  # noqa: E731
-    assert wait_for_job(slurm, job_id, 150, until=lambda state, restarts: restarts == 1) == "PENDING", log()
+    assert wait_for_job(slurm, job_id, 150, until=requeued(1)) == "PENDING", log()
     time_limit_stop = int(re.findall(r"stopped on SIGUSR1 at step (\d+)/", output.read_text())[0])
     assert "DUE TO TIME LIMIT" not in output.read_text(), log()
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=5"], env=slurm, check=True)
@@ -129,7 +135,7 @@ def test_a_job_stopped_by_its_time_limit_and_by_scancel_resumes_each_time_as_one
     resumed = checkpoint_from_step(checkpoints, time_limit_stop + 100)
     assert wait_for_job(slurm, job_id, 120, hurry_requeued=True, until=lambda *_: resumed()) == "RUNNING", log()
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, check=True)
-    assert wait_for_job(slurm, job_id, 60, until=lambda state, restarts: restarts == 2) == "PENDING", log()
+    assert wait_for_job(slurm, job_id, 60, until=requeued(2)) == "PENDING", log()
     subprocess.run(["scancel", job_id], env=slurm, check=True)
 
     text = output.read_text()
