@@ -91,7 +91,8 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     os.environ.setdefault("HOROVOD_CYCLE_TIME", _cycle_time_ms())
     # Read when TensorFlow creates its CPU device, after this. Its default CPU allocator hands large
     # tensors (an all-reduce's output) back to the OS and faults fresh pages in for the next one;
-    # BFC keeps them (docs/benchmarks.md, "All-reduce on the slower machine type").
+    # BFC keeps them (docs/benchmarks.md, "All-reduce on the slower machine type"). With oneDNN on
+    # (hvd_sgd's default) TensorFlow pools through oneDNN's allocator instead; this is for oneDNN off.
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     if hvd is None:
         raise JobError(f"Horovod's TensorFlow extension does not load ({_HOROVOD_IMPORT_ERROR}): "

@@ -120,19 +120,17 @@ def test_the_job_script_runs_two_ranks_on_each_of_two_slurm_nodes(cluster, share
     assert_same_weights(saved_weights(model), one_rank_with_four_times_the_batch, rtol=1e-4, atol=1e-5)
 
 
-def test_resume_moves_between_two_nodes_and_one(cluster, shared, tmp_path):
+def test_resume_moves_between_two_nodes_and_one(cluster, shared, one_rank_with_four_times_the_batch):
     """Checkpointed on 2 nodes x 2 ranks, resumed on node1 alone (2 ranks x twice the batch), then
-    back on both: the weights of one uninterrupted run."""
-    common = ["--model", "mlp", "--lr", "0.04", "--no-lr-scaling", "--train-examples", 2048, "--test-examples", 500]
-    straight = train_and_save(tmp_path, "straight", "python", 1, *common, "--batch-size", 64, "--max-steps", 30)
-    checkpoints = shared / "ckpt"
-    succeeded(train_across(cluster, "mpirun", *common, "--batch-size", 16, "--max-steps", 10,
+    back on both: the weights of one uninterrupted run (the same global batch throughout)."""
+    checkpoints, final = shared / "ckpt", shared / "final.keras"
+    succeeded(train_across(cluster, "mpirun", *TINY, "--batch-size", 8, "--max-steps", 10,
                            "--checkpoint-dir", checkpoints))
-    succeeded(train_across(cluster, "mpirun", *common, "--batch-size", 32, "--max-steps", 20,
+    succeeded(train_across(cluster, "mpirun", *TINY, "--batch-size", 16, "--max-steps", 20,
                            "--checkpoint-dir", checkpoints, "--resume", np_=2, hosts="node1:2"))
-    succeeded(train_across(cluster, "mpirun", *common, "--batch-size", 16, "--max-steps", 30,
-                           "--checkpoint-dir", checkpoints, "--resume", "--save-model", shared / "final.keras"))
-    assert_same_weights(saved_weights(shared / "final.keras"), straight, rtol=1e-4, atol=1e-5)
+    succeeded(train_across(cluster, "mpirun", *TINY, "--batch-size", 8, "--checkpoint-dir", checkpoints, "--resume",
+                           "--save-model", final))
+    assert_same_weights(saved_weights(final), one_rank_with_four_times_the_batch, rtol=1e-4, atol=1e-5)
 
 
 LONG = ["--model", "mlp", "--train-examples", 8192, "--test-examples", 500, "--batch-size", 64,
@@ -255,7 +253,7 @@ FAST_KEEPALIVE = dict(OMPI_MCA_oob_tcp_keepalive_time="5", OMPI_MCA_oob_tcp_keep
 def test_the_network_suite_measures_across_two_nodes_of_its_own_cluster(tmp_path):
     """The bench's network suite, quick, on a 10 Gbit/s link: it brings its own cluster up and down
     and reports all-reduce bandwidth and training efficiency across the nodes (figures, not timings);
-    the projection fits its cost model to them and projects to 512 ranks."""
+    the projection fits its cost model to them and projects to 512 ranks, on this CPU and on a GPU class."""
     bench = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--quick", "--suites", "network,project", "--links",
                             "10gbit", "--results-dir", tmp_path], capture_output=True, text=True, timeout=600)
     assert bench.returncode == 0, bench.stderr[-3000:]
@@ -265,6 +263,7 @@ def test_the_network_suite_measures_across_two_nodes_of_its_own_cluster(tmp_path
     assert 0 < check["predicted"] <= 1 and check["measured"] == suites["network"]["10gbit"]["softmax"]["ratio"]
     projected = suites["project"]["projection"]
     assert {r["ranks"] for r in projected} == {2, 8, 64, 512} and all(0 < r["efficiency"] <= 1 for r in projected)
+    assert {r["compute"] for r in projected} == {"this CPU (measured)", "Pascal-class GPU (P100)"}
     assert (tmp_path / "project.png").exists() and "## project" in (tmp_path / "results.md").read_text()
     row = suites["network"]["10gbit"]
     allreduce = row["allreduce"]["mpi"]

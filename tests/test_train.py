@@ -115,12 +115,14 @@ print(statistics.median(faults))
 
 
 @pytest.mark.both_stacks
-@pytest.mark.parametrize("allocator,most", [(None, 1024), ("false", None)])
-def test_a_large_all_reduce_reuses_its_output_memory(allocator, most):
-    """TensorFlow's default CPU allocator faults 16k fresh pages in for each 64 MiB output; hvd_sgd
-    sets its BFC allocator, which keeps them (the user's TF_CPU_ALLOCATOR_USE_BFC wins)."""
-    env = {k: v for k, v in launchers.environment().items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
-    env.update({"TF_CPU_ALLOCATOR_USE_BFC": allocator} if allocator else {})
+@pytest.mark.parametrize("onednn,allocator,most", [(None, None, 1024), ("0", None, 1024), ("0", "false", None)])
+def test_a_large_all_reduce_reuses_its_output_memory(onednn, allocator, most):
+    """TensorFlow's default CPU allocator faults 16k fresh pages in for each 64 MiB output. oneDNN's
+    (hvd_sgd turns oneDNN on) keeps them, and so does BFC, which hvd_sgd sets for oneDNN off (the
+    user's TF_ENABLE_ONEDNN_OPTS and TF_CPU_ALLOCATOR_USE_BFC win)."""
+    chosen = {"TF_ENABLE_ONEDNN_OPTS": onednn, "TF_CPU_ALLOCATOR_USE_BFC": allocator}
+    env = {k: v for k, v in launchers.environment().items() if k not in chosen}
+    env.update({k: v for k, v in chosen.items() if v})
     result = subprocess.run([PYTHON, "-c", FAULTS_PER_ALLREDUCE], env=env, cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

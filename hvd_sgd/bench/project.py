@@ -5,7 +5,9 @@ Two models, fitted to those measurements:
 - all-reduce, Horovod's ring: seconds(S, N) = 2(N-1)·α + 2(N-1)/N · S/β for S bytes on N ranks.
   On 2 nodes that is 2α + S/β: a least-squares line through hvd.allreduce's times per size gives
   α (half its intercept, Horovod's own per-operation cost included) and β (its slope's inverse);
-- compute: a rank's step with no all-reduce, from the two independent processes' throughput.
+- compute: a rank's step with no all-reduce, from the two independent processes' throughput;
+  and, for a GPU class, from the model's multiply-adds at the rate Horovod's own ResNet-101
+  benchmark implies for its GPUs (no GPU here to measure).
 A step is compute + the all-reduce of the model's gradients (no overlap: Horovod starts reducing
 as gradients become ready, so real runs can do better), and efficiency = compute / step.
 """
@@ -16,12 +18,17 @@ from hvd_sgd.bench import contenders
 RANKS = (2, 8, 64, 512)
 EXAMPLES_PER_EPOCH = 60000
 # Interconnects given by rate and per-message latency (typical figures, not measured here).
-INTERCONNECTS = {"10 Gbit/s TCP": (10e9, 25e-6), "25 Gbit/s RoCE": (25e9, 5e-6),
+INTERCONNECTS = {"1 Gbit/s TCP": (1e9, 50e-6), "10 Gbit/s TCP": (10e9, 25e-6), "25 Gbit/s RoCE": (25e9, 5e-6),
                  "100 Gbit/s InfiniBand": (100e9, 1.5e-6)}
 # Horovod's published benchmark: ResNet-101 at batch 64 per Pascal GPU, 16 GPUs at 1656.82 img/s
 # (its docs/benchmarks), 90 % efficiency at 512 GPUs over 25 Gbit/s RoCE; 170 MB of gradients.
 ANCHOR = dict(model="ResNet-101 (Horovod's benchmark)", gradient_bytes=170e6, step_seconds=64 / (1656.82 / 16),
               interconnect="25 Gbit/s RoCE", ranks=512, published_efficiency=0.90)
+# The GPU class: the anchor's GPUs at the rate its step implies. ResNet-101 takes 7.6 G multiply-adds
+# an image forward (He et al. 2016, table 1); training is about 3 times the forward pass, 2 FLOP each.
+TRAINING_FLOP_PER_MULTIPLY_ADD = 6
+GPU = dict(name="Pascal-class GPU (P100)", step_floor=1e-3,
+           flop_per_second=TRAINING_FLOP_PER_MULTIPLY_ADD * 7.6e9 * 64 / ANCHOR["step_seconds"])
 ASSUMPTIONS = [
     "ring all-reduce, one ring through all ranks, each rank sending 2(N-1)/N of the gradients",
     "no overlap of the backward pass with the all-reduce (a lower bound where Horovod overlaps them)",
@@ -29,6 +36,9 @@ ASSUMPTIONS = [
     "the links measured here carry one rank per node; the fitted latency includes Horovod's per-operation cost",
     "not modelled: stragglers, a congested or oversubscribed network, hierarchical all-reduce, "
     "per-rank batches too small to keep a device busy",
+    f"{GPU['name']}: {GPU['flop_per_second'] / 1e12:.1f} TFLOP/s of training work (the rate the anchor's step "
+    f"implies), and at least {GPU['step_floor'] * 1e3:.0f} ms a step (a Keras step launches tens of kernels, "
+    "each dispatched from the host); not measured here",
 ]
 
 
@@ -50,14 +60,25 @@ def allreduce_seconds(nbytes, ranks, latency, bandwidth):
     return 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
 
 
-def parameter_counts(names):
-    """Each built-in model's number of weights (MNIST's shape): 4 bytes each to all-reduce."""
+def model_sizes(names):
+    """Each built-in model's weights (4 bytes each to all-reduce) and multiply-adds an example
+    forward (its dense and convolution layers), at MNIST's shape."""
     from hvd_sgd import models  # TensorFlow, in this process: only once the contenders are done
-    return {name: models.BUILT_IN[name]((28, 28, 1), 10).count_params() for name in names}
+    sizes = {}
+    for name in names:
+        model = models.BUILT_IN[name]((28, 28, 1), 10)
+        multiply_adds = 0
+        for layer in model.layers:
+            kernel = getattr(layer, "kernel", None)
+            if kernel is not None:  # a convolution applies its kernel at every output position
+                positions = math.prod(layer.output.shape[1:-1])
+                multiply_adds += math.prod(kernel.shape) * positions
+        sizes[name] = dict(parameters=model.count_params(), multiply_adds=multiply_adds)
+    return sizes
 
 
-def run(network, parameters):
-    """``network``: the network suite's rows, per link; ``parameters``: each model's weight count."""
+def run(network, sizes):
+    """``network``: the network suite's rows, per link; ``sizes``: model_sizes() of its models."""
     links = {link: fit_link(row["allreduce"]["mpi"]) for link, row in network.items()}
     interconnects = {**{f"{link} (measured)": fit for link, fit in links.items()},
                      **{name: dict(latency=latency, bandwidth=rate / 8)
@@ -65,19 +86,24 @@ def run(network, parameters):
     validation, projection = [], []
     for link, row in network.items():
         for model in (m for m in row if m != "allreduce"):
-            measured = row[model]
-            batch = contenders.GLOBAL_BATCH[model]  # 2 ranks of half of it, or 2 processes of half
-            compute = batch / measured["independent_2x1"]  # seconds a rank's step computes
-            reduce = allreduce_seconds(4 * parameters[model], 2, **links[link])
+            measured, gradient_bytes = row[model], 4 * sizes[model]["parameters"]
+            batch = contenders.GLOBAL_BATCH[model] // 2  # a rank's: 2 ranks, or 2 processes, of the global batch
+            compute = batch / (measured["independent_2x1"] / 2)  # seconds a rank's step computes
+            reduce = allreduce_seconds(gradient_bytes, 2, **links[link])
             validation.append(dict(link=link, model=model, predicted=compute / (compute + reduce),
                                    measured=measured["ratio"]))
             if link != next(iter(network)):
                 continue  # the compute is this machine's on every link: project from the first
-            for name, fit in interconnects.items():
-                for ranks in RANKS:
-                    step = compute + allreduce_seconds(4 * parameters[model], ranks, **fit)
-                    projection.append(dict(model=model, interconnect=name, ranks=ranks, efficiency=compute / step,
-                                           epoch_seconds=EXAMPLES_PER_EPOCH / (ranks * batch / 2) * step))
+            on_gpu = max(GPU["step_floor"], TRAINING_FLOP_PER_MULTIPLY_ADD * sizes[model]["multiply_adds"] * batch
+                         / GPU["flop_per_second"])
+            for device, step_compute, names in (("this CPU (measured)", compute, interconnects),
+                                                (GPU["name"], on_gpu, INTERCONNECTS)):
+                for name in names:
+                    for ranks in RANKS:
+                        step = step_compute + allreduce_seconds(gradient_bytes, ranks, **interconnects[name])
+                        projection.append(dict(model=model, compute=device, interconnect=name, ranks=ranks,
+                                               step_compute=step_compute, efficiency=step_compute / step,
+                                               epoch_seconds=EXAMPLES_PER_EPOCH / (ranks * batch) * step))
     for v in validation:
         v["error"] = v["predicted"] / v["measured"] - 1
     rate, latency = INTERCONNECTS[ANCHOR["interconnect"]]

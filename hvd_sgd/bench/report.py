@@ -118,13 +118,15 @@ def _project_tables(p):
     md += [f"| {v['link']} | {v['model']} | {v['predicted']:.2f} | {v['measured']:.2f} | {v['error']:+.0%} |"
            for v in p["validation"]]
     ranks = sorted({r["ranks"] for r in p["projection"]})
-    md += ["", "Projected efficiency (seconds per epoch of 60 000 examples), this machine's compute per rank:", "",
-           f"| model | interconnect | {' | '.join(f'{n} ranks' for n in ranks)} |",
-           "| --- | --- |" + " --- |" * len(ranks)]
+    md += ["", "Projected efficiency (seconds per epoch of 60 000 examples), with a rank's compute measured on this "
+           "machine or given for a GPU class (its step in ms):", "",
+           f"| model | compute | interconnect | {' | '.join(f'{n} ranks' for n in ranks)} |",
+           "| --- | --- | --- |" + " --- |" * len(ranks)]
     rows = {}
     for r in p["projection"]:
-        rows.setdefault((r["model"], r["interconnect"]), []).append(f"{r['efficiency']:.2f} ({r['epoch_seconds']:.3g})")
-    md += [f"| {model} | {name} | {' | '.join(cells)} |" for (model, name), cells in rows.items()]
+        key = (r["model"], f"{r['compute']} ({r['step_compute'] * 1e3:.2g} ms)", r["interconnect"])
+        rows.setdefault(key, []).append(f"{r['efficiency']:.2f} ({r['epoch_seconds']:.3g})")
+    md += [f"| {' | '.join(key)} | {' | '.join(cells)} |" for key, cells in rows.items()]
     a = p["anchor"]
     difference = a["predicted_efficiency"] - a["published_efficiency"]
     md += ["", f"Anchor: {a['model']}, {a['gradient_bytes'] / 1e6:.0f} MB of gradients, a {a['step_seconds']:.2f} s "
@@ -199,18 +201,23 @@ def _plot(results, directory):
     if "project" in results["suites"]:
         projection = results["suites"]["project"]["projection"]
         models = list(dict.fromkeys(r["model"] for r in projection))
-        fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
-        for ax, model in zip(axes[0], models):
-            for name in dict.fromkeys(r["interconnect"] for r in projection):
-                points = [(r["ranks"], r["efficiency"]) for r in projection
-                          if (r["model"], r["interconnect"]) == (model, name)]
-                ax.plot(*zip(*points), marker="o", label=name)
-            ax.set_xscale("log", base=2)
-            ax.set_ylim(0, 1.05)
-            ax.set_xlabel("ranks")
-            ax.set_ylabel("projected scaling efficiency")
-            ax.set_title(f"{model}: this CPU's compute per rank")
-            ax.legend(fontsize="small")
+        devices = list(dict.fromkeys(r["compute"] for r in projection))
+        fig, axes = plt.subplots(len(devices), len(models), figsize=(5.5 * len(models), 4 * len(devices)),
+                                 squeeze=False)
+        for device, row in zip(devices, axes):
+            for ax, model in zip(row, models):
+                lines = {}
+                for r in projection:
+                    if (r["model"], r["compute"]) == (model, device):
+                        lines.setdefault(r["interconnect"], []).append((r["ranks"], r["efficiency"]))
+                for name, points in lines.items():
+                    ax.plot(*zip(*points), marker="o", label=name)
+                ax.set_xscale("log", base=2)
+                ax.set_ylim(0, 1.05)
+                ax.set_xlabel("ranks")
+                ax.set_ylabel("projected scaling efficiency")
+                ax.set_title(f"{model}: {device}")
+                ax.legend(fontsize="small")
         _save(fig, directory, "project.png")
     allreduce = {"allreduce": results["suites"].get("allreduce")}
     allreduce.update({f"network_{link}": row["allreduce"]

@@ -62,7 +62,7 @@ def run(plan):
             from hvd_sgd.bench import project
             network = results["suites"]["network"]
             models = {m for row in network.values() for m in row if m != "allreduce"}
-            results["suites"][suite] = project.run(network, project.parameter_counts(models))
+            results["suites"][suite] = project.run(network, project.model_sizes(models))
         elif suite == "stacks":
             results["suites"][suite] = stacks(plan)
         elif suite == "tta":
