@@ -32,7 +32,7 @@ GPU = dict(name="Pascal-class GPU (P100)", step_floor=1e-3,
 ASSUMPTIONS = [
     "ring all-reduce, one ring through all ranks, each rank sending 2(N-1)/N of the gradients",
     "no overlap of the backward pass with the all-reduce (a lower bound where Horovod overlaps them)",
-    "all gradients fused into one all-reduce per step (Horovod's tensor fusion, 64 MiB by default)",
+    "all gradients fused into one all-reduce per step (Horovod's tensor fusion, 128 MiB by default)",
     "the links measured here carry one rank per node; the fitted latency includes Horovod's per-operation cost",
     "not modelled: stragglers, a congested or oversubscribed network, hierarchical all-reduce, "
     "per-rank batches too small to keep a device busy",
