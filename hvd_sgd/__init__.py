@@ -4,7 +4,7 @@ import os
 # TensorFlow's C++ start-up chatter (oneDNN, CPU features) is printed once per rank;
 # keep warnings and errors only, unless the user asked for more.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# TensorFlow uses oneDNN's CPU kernels by default only where the CPU has AVX-512 VNNI, BF16 or AMX;
+# TensorFlow uses oneDNN's CPU kernels by default only on CPUs with AVX-512 VNNI/BF16, AVX-VNNI or AMX;
 # on AVX2-only CPUs its default kernels train convolutions much slower (docs/benchmarks.md). On
 # everywhere, unless the user set it. Like the line above, it counts only before TensorFlow's import.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
