@@ -81,10 +81,13 @@ class StopRequest:
                 if signum in SIGNALS:
                     self._on_signal(signum)
 
+    @tf.autograph.experimental.do_not_convert
     def agreed(self, step):
         """In the compiled step: True on every rank, after the same step, once any rank has been
         signalled. One rank alone needs no all-reduce; several all-reduce the requests every
-        CHECK_EVERY_STEPS steps (every rank is at the same step, so all take part or none)."""
+        CHECK_EVERY_STEPS steps (every rank is at the same step, so all take part or none).
+        Its branch on a tensor is a tf.cond, so autograph is off: it would only convert Horovod's
+        all-reduce, seconds of each rank's first step (docs/benchmarks.md, "Start-up")."""
         import horovod.tensorflow as hvd
         if hvd.size() == 1:
             return self._flag.read_value() > 0

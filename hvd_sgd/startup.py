@@ -4,6 +4,7 @@ Some of this must happen before Horovod or TensorFlow start (environment variabl
 counts), so it reads the launcher's variables rather than asking Horovod.
 """
 import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -97,6 +98,7 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     if hvd is None:
         raise JobError(f"Horovod's TensorFlow extension does not load ({_HOROVOD_IMPORT_ERROR}): "
                        f"rebuild it with run/setup")
+    trace_horovod_without_autograph()
     if launched_by_mpi():
         from mpi4py import MPI
         hvd.init(comm=MPI.COMM_WORLD)
@@ -117,6 +119,16 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
     from hvd_sgd.world import World  # imports Horovod's extension: only once it is known to load
     return World(device, threads, dict(imports=imported, horovod=time.time()))
+
+
+def trace_horovod_without_autograph():
+    """Horovod 0.28.1 makes its gradient all-reduce and its variables' broadcast tf.functions with
+    autograph on, so each rank's first step converts Horovod's own Python source: 1.6-2.1 s of CPU
+    a rank on the slower machine type (docs/benchmarks.md, "Start-up"). That code branches only on
+    Python values (its branches on tensors are explicit tf.cond), so it traces as written."""
+    import horovod.tensorflow.functions
+    for module in (hvd, horovod.tensorflow.functions):
+        module._make_subgraph = functools.partial(tf.function, autograph=False)
 
 
 def yield_when_idle():

@@ -99,7 +99,8 @@ def _tta_tables(rows):
     """Time to the target per contender, then where each one's seconds went."""
     target = next(iter(rows.values()))["target"]
     md = [f"Wall seconds from the command to the first test evaluation at >= {target} (the default recipe; "
-          "keras: the same recipe in plain Keras, one process on every core).", "",
+          "hvd_sgd_np2 under mpirun, as run/train starts it; keras: the same recipe in plain Keras, one process "
+          "on every core).", "",
           "| contender | to target, s | epochs | final accuracy | whole run, s |", "| --- | --- | --- | --- | --- |"]
     md += [f"| {name} | {r['to_target'] or float('nan'):.1f} | {r['epochs_to_target'] or '-'} | {r['accuracy']:.4f} | "
            f"{r['seconds']:.1f} |" for name, r in rows.items()]
