@@ -37,8 +37,8 @@ class Plan:
 
     @property
     def allreduce_sizes(self):
-        top = 22 if self.quick else 26  # 4 MiB or 64 MiB
-        return [1 << p for p in range(12, top + 1, 2)]
+        powers = (12, 16, 20, 22) if self.quick else range(12, 27, 2)  # 4 KiB to 4 MiB, or to 64 MiB
+        return [1 << p for p in powers]
 
 
 def default_models(quick):
