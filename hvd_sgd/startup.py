@@ -123,9 +123,9 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
 
 def trace_horovod_without_autograph():
     """Horovod 0.28.1 makes its gradient all-reduce and its variables' broadcast tf.functions with
-    autograph on, so each rank's first step converts Horovod's own Python source: 1.6-2.1 s of CPU
-    a rank on the slower machine type (docs/benchmarks.md, "Start-up"). That code branches only on
-    Python values (its branches on tensors are explicit tf.cond), so it traces as written."""
+    autograph on, so each rank's first step converts Horovod's own Python source: seconds of CPU a
+    rank (docs/benchmarks.md, "Start-up"). That code branches only on Python values (its branches
+    on tensors are explicit tf.cond), so it traces as written."""
     import horovod.tensorflow.functions
     for module in (hvd, horovod.tensorflow.functions):
         module._make_subgraph = functools.partial(tf.function, autograph=False)
