@@ -97,7 +97,7 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     if hvd is None:
         raise JobError(f"Horovod's TensorFlow extension does not load ({_HOROVOD_IMPORT_ERROR}): "
-                       f"rebuild it with run/setup")
+                       f"rebuild it with run/setup --force")
     trace_horovod_without_autograph()
     if launched_by_mpi():
         from mpi4py import MPI
