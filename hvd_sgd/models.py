@@ -29,16 +29,21 @@ def mlp(input_shape, num_classes):
 
 
 def cnn(input_shape, num_classes):
-    """Three 3x3 convolutions (16, 32, 64 channels), each halving the image by max-pooling, and a
-    dense layer: 98 k weights and 2.0 M multiply-adds an image, a sixth of classic_cnn's 12 M."""
-    layers = [tf.keras.Input(input_shape)]
-    for channels in (16, 32, 64):
-        layers += [tf.keras.layers.Conv2D(channels, 3, padding="same", activation="relu"),
-                   tf.keras.layers.MaxPooling2D()]
+    """Pixels moved to [-1, 1], three 3x3 convolutions (16, 32, 64 channels), the first two each
+    followed by max-pooling, and a dense layer of 64 on the 7x7 maps: 225 k weights and 2.1 M
+    multiply-adds an image, a sixth of classic_cnn's 12 M. Keeping 7x7 positions for the dense
+    layer (not 3x3) and centring the pixels on zero are worth a point on Fashion-MNIST after the
+    default 2 epochs (docs/benchmarks.md)."""
     return tf.keras.Sequential([
-        *layers,
+        tf.keras.Input(input_shape),
+        tf.keras.layers.Rescaling(2.0, offset=-1.0),
+        tf.keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+        tf.keras.layers.MaxPooling2D(),
+        tf.keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        tf.keras.layers.MaxPooling2D(),
+        tf.keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
         tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(128, activation="relu"),
+        tf.keras.layers.Dense(64, activation="relu"),
         tf.keras.layers.Dense(num_classes, name="logits"),
     ], name="cnn")
 
