@@ -74,3 +74,19 @@ def test_an_unknown_model_is_refused_before_anything_runs(tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--models: unknown ['lenet']" in result.stderr.splitlines()[-1]
     assert not (tmp_path / "results.json").exists()
+
+
+def test_a_fused_all_reduce_counts_once_in_horovods_timeline():
+    """Horovod's timeline has a row per tensor: two tensors reduced in one operation, then one
+    alone, are two operations. The text as Horovod leaves it: a JSON list, unterminated."""
+    from hvd_sgd.bench.contenders import _allreduce_operations
+
+    def span(pid, begin, end):
+        return [dict(ph="B", name="ALLREDUCE", ts=begin - 5, pid=pid),
+                dict(ph="B", name="MPI_ALLREDUCE", ts=begin, pid=pid), dict(ph="E", ts=end, pid=pid),
+                dict(ph="E", ts=end + 1, pid=pid)]
+
+    events = span(1, 100, 160) + span(2, 102, 161) + span(1, 300, 340)
+    timeline = "[\n" + "".join(json.dumps(e) + ",\n" for e in events)
+    assert _allreduce_operations(timeline) == 2
+    assert _allreduce_operations(timeline.rstrip().rstrip(",") + "]") == 2

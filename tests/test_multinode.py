@@ -261,6 +261,8 @@ def test_the_network_suite_measures_across_two_nodes_of_its_own_cluster(tmp_path
     fit, [check] = suites["project"]["links"]["10gbit"], suites["project"]["validation"]
     assert fit["latency"] >= 0 and fit["bandwidth"] > 0 and check["model"] == "softmax"
     assert 0 < check["predicted"] <= 1 and check["measured"] == suites["network"]["10gbit"]["softmax"]["ratio"]
+    # softmax's 2 gradients in 1 or 2 operations a step, and every 10 steps the stop request's
+    assert 1 <= check["ops_per_step"] == suites["network"]["10gbit"]["ops_per_step"]["softmax"] <= 2.2
     projected = suites["project"]["projection"]
     assert {r["ranks"] for r in projected} == {2, 8, 64, 512} and all(0 < r["efficiency"] <= 1 for r in projected)
     assert {r["compute"] for r in projected} == {"this CPU (measured)", "Pascal-class GPU (P100)"}

@@ -55,7 +55,7 @@ def _results(processes, timeout=900):
     return found
 
 
-def _train(np_, args, timeout=900, nodes=None, launcher="horovodrun"):
+def _train(np_, args, timeout=900, nodes=None, launcher="horovodrun", env=None):
     """``hvd_sgd.train`` as a user runs it (``launcher`` for 2+ ranks); its metrics file, and when the
     command started and ended (time.time(), as the metrics file's timeline)."""
     with tempfile.TemporaryDirectory(dir=nodes and nodes.shared_dir) as tmp:
@@ -63,19 +63,57 @@ def _train(np_, args, timeout=900, nodes=None, launcher="horovodrun"):
         command = _command("python" if np_ == 1 else launcher, np_, "hvd_sgd.train",
                            [*args, "--metrics-file", metrics], nodes)
         launched = time.time()
-        _results([_start(command, 1)], timeout)
+        _results([_start(command, 1, **(env or {}))], timeout)
         ended = time.time()
         with open(metrics) as f:
             return json.load(f), launched, ended
 
 
+def _throughput_args(np_, model, steps, nodes):
+    threads = ["--threads-per-rank", 1] if nodes else []
+    return ["--model", model, "--batch-size", GLOBAL_BATCH[model] // np_, "--max-steps", steps,
+            "--test-examples", 1000, "--log-every-steps", 10 ** 6, *threads]
+
+
 def hvd_sgd_throughput(np_, model, steps, nodes=None):
     """hvd_sgd itself, as a user runs it: its own img/s figure. Across ``nodes``, one thread per
     rank: the nodes of a virtual cluster share this machine's cores."""
-    threads = ["--threads-per-rank", 1] if nodes else []
-    metrics, *_ = _train(np_, ["--model", model, "--batch-size", GLOBAL_BATCH[model] // np_, "--max-steps", steps,
-                              "--test-examples", 1000, "--log-every-steps", 10 ** 6, *threads], nodes=nodes)
+    metrics, *_ = _train(np_, _throughput_args(np_, model, steps, nodes), nodes=nodes)
     return metrics["images_per_second"]
+
+
+def allreduce_ops_per_step(np_, model, steps, nodes=None):
+    """All-reduce operations per step of the same run, from Horovod's timeline (rank 0 writes it).
+    Horovod fuses the gradients that are ready together; at hvd_sgd's 0 ms cycle the first ones
+    go while the backward pass still computes the rest, so a step makes one operation or several."""
+    with tempfile.TemporaryDirectory(dir=nodes and nodes.shared_dir) as tmp:
+        timeline = os.path.join(tmp, "timeline.json")
+        # horovodrun: every rank must see HOROVOD_TIMELINE (Horovod fails if only rank 0 does), and
+        # horovodrun passes its environment to the ranks on every host
+        _train(np_, _throughput_args(np_, model, steps, nodes), nodes=nodes, env=dict(HOROVOD_TIMELINE=timeline))
+        with open(timeline) as f:
+            return _allreduce_operations(f.read()) / steps
+
+
+def _allreduce_operations(timeline):
+    """Operations in a Horovod timeline: each tensor of a fused operation has its own row, whose
+    MPI_ALLREDUCE begins within the operation; the next operation begins after it ended."""
+    events = json.loads(timeline.rstrip().rstrip(",") + ("" if timeline.rstrip().endswith("]") else "]"))
+    open_spans, spans = {}, []
+    for e in events:
+        if e.get("ph") == "B":
+            open_spans.setdefault(e["pid"], []).append(e)
+        elif e.get("ph") == "E" and open_spans.get(e["pid"]):
+            begin = open_spans[e["pid"]].pop()
+            if begin["name"] == "MPI_ALLREDUCE":
+                spans.append((begin["ts"], e["ts"]))
+    operations, ends_by = 0, -1
+    for start, end in sorted(spans):
+        if start > ends_by:  # after every tensor of the current operation ended: a new one
+            operations, ends_by = operations + 1, end
+        else:
+            ends_by = min(ends_by, end)
+    return operations
 
 
 def keras_throughput(model, batch, steps, threads, copies=1):

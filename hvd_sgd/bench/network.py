@@ -15,6 +15,7 @@ from hvd_sgd.bench import contenders
 
 CLUSTER = pathlib.Path(__file__).resolve().parents[2] / "run" / "cluster"
 LINKS = {"unshaped": [], "10gbit": ["--rate", "10gbit"], "1gbit": ["--rate", "1gbit"]}
+TIMELINE_STEPS = 300  # enough to count a step's all-reduce operations; Horovod's timeline slows a run
 # Its own subnet and names: apart from a user's cluster (10.213.57) and the tests' (10.213.58).
 CLUSTER_ENV = dict(HVD_SGD_CLUSTER_NET="10.213.59", HVD_SGD_CLUSTER_PREFIX="hvdbench")
 
@@ -40,8 +41,9 @@ def two_nodes(link, state_dir):
 
 def run(plan, paired, steps, models):
     """Per link: all-reduce bandwidth (hvd over MPI and Gloo, mpi4py) and, per model, hvd_sgd on
-    2 nodes against 2 independent processes (``paired``, ``plan.rounds`` times). ``plan.quick``:
-    the MPI controller and the first model only (each contender is a start of TensorFlow)."""
+    2 nodes against 2 independent processes (``paired``, ``plan.rounds`` times) and hvd_sgd's
+    all-reduce operations per step. ``plan.quick``: the MPI controller and the first model only
+    (each contender is a start of TensorFlow)."""
     controllers, models = (("mpi",), models[:1]) if plan.quick else (("mpi", "gloo"), models)
     results = {}
     for link in plan.links or LINKS:
@@ -50,9 +52,17 @@ def run(plan, paired, steps, models):
                 return contenders.hvd_sgd_throughput(2, model, n, nodes)
 
             row = dict(allreduce={c: contenders.allreduce_bandwidth(c, plan.allreduce_sizes, plan.rounds, nodes)
-                                  for c in controllers})
+                                  for c in controllers}, ops_per_step={})
             for model in models:
                 row[model] = paired((hvd_sgd_2_nodes, contenders.independent_2x1), model, steps[model], plan.rounds)
+                # what the cost model charges latency for: a short run of its own, with Horovod's timeline on
+                row["ops_per_step"][model] = contenders.allreduce_ops_per_step(
+                    2, model, min(steps[model], TIMELINE_STEPS), nodes)
         print(f"   {link}: {row}", flush=True)
         results[link] = row
     return results
+
+
+def model_rows(row):
+    """A link's rows of the paired measurements, by model."""
+    return {name: r for name, r in row.items() if name not in ("allreduce", "ops_per_step")}

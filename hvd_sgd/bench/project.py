@@ -2,9 +2,11 @@
 network suite's measurements across two nodes in the same run.
 
 Two models, fitted to those measurements:
-- all-reduce, Horovod's ring: seconds(S, N) = 2(N-1)·α + 2(N-1)/N · S/β for S bytes on N ranks.
-  On 2 nodes that is 2α + S/β: a least-squares line through hvd.allreduce's times per size gives
-  α (half its intercept, Horovod's own per-operation cost included) and β (its slope's inverse);
+- all-reduce, Horovod's ring: seconds(S, N) = k·2(N-1)·α + 2(N-1)/N · S/β for S bytes on N ranks
+  in k operations (the latency is paid per operation, the bytes once). On 2 nodes one operation
+  takes 2α + S/β: a least-squares line through hvd.allreduce's times per size gives α (half its
+  intercept, Horovod's own per-operation cost included) and β (its slope's inverse). k is what
+  Horovod's timeline counted in hvd_sgd's steps on the same link;
 - compute: a rank's step with no all-reduce, from the two independent processes' throughput;
   and, for a GPU class, from the model's multiply-adds at the rate Horovod's own ResNet-101
   benchmark implies for its GPUs (no GPU here to measure).
@@ -14,6 +16,7 @@ as gradients become ready, so real runs can do better), and efficiency = compute
 import math
 
 from hvd_sgd.bench import contenders
+from hvd_sgd.bench.network import model_rows
 
 RANKS = (2, 8, 64, 512)
 EXAMPLES_PER_EPOCH = 60000
@@ -32,7 +35,10 @@ GPU = dict(name="Pascal-class GPU (P100)", step_floor=1e-3,
 ASSUMPTIONS = [
     "ring all-reduce, one ring through all ranks, each rank sending 2(N-1)/N of the gradients",
     "no overlap of the backward pass with the all-reduce (a lower bound where Horovod overlaps them)",
-    "all gradients fused into one all-reduce per step (Horovod's tensor fusion, 128 MiB by default)",
+    "a step's gradients go in as many all-reduce operations as Horovod's timeline counted on the measured link "
+    "(it fuses the gradients that are ready together, up to 128 MiB; at a 0 ms cycle the first go while the "
+    "backward pass goes on); each operation pays the latency, the bytes are sent once",
+    "the anchor: one all-reduce operation a step",
     "the links measured here carry one rank per node; the fitted latency includes Horovod's per-operation cost",
     "not modelled: stragglers, a congested or oversubscribed network, hierarchical all-reduce, "
     "per-rank batches too small to keep a device busy",
@@ -56,8 +62,8 @@ def fit_link(allreduce):
     return dict(latency=max(intercept, 0.0) / 2, bandwidth=1 / slope if slope > 0 else math.inf)
 
 
-def allreduce_seconds(nbytes, ranks, latency, bandwidth):
-    return 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
+def allreduce_seconds(nbytes, ranks, latency, bandwidth, operations=1):
+    return operations * 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
 
 
 def model_sizes(names):
@@ -85,13 +91,13 @@ def run(network, sizes):
                         for name, (rate, latency) in INTERCONNECTS.items()}}
     validation, projection = [], []
     for link, row in network.items():
-        for model in (m for m in row if m != "allreduce"):
-            measured, gradient_bytes = row[model], 4 * sizes[model]["parameters"]
+        for model, measured in model_rows(row).items():
+            gradient_bytes, operations = 4 * sizes[model]["parameters"], row["ops_per_step"][model]
             batch = contenders.GLOBAL_BATCH[model] // 2  # a rank's: 2 ranks, or 2 processes, of the global batch
             compute = batch / (measured["independent_2x1"] / 2)  # seconds a rank's step computes
-            reduce = allreduce_seconds(gradient_bytes, 2, **links[link])
-            validation.append(dict(link=link, model=model, predicted=compute / (compute + reduce),
-                                   measured=measured["ratio"]))
+            reduce = allreduce_seconds(gradient_bytes, 2, **links[link], operations=operations)
+            validation.append(dict(link=link, model=model, ops_per_step=operations,
+                                   predicted=compute / (compute + reduce), measured=measured["ratio"]))
             if link != next(iter(network)):
                 continue  # the compute is this machine's on every link: project from the first
             on_gpu = max(GPU["step_floor"], TRAINING_FLOP_PER_MULTIPLY_ADD * sizes[model]["multiply_adds"] * batch
@@ -100,7 +106,8 @@ def run(network, sizes):
                                                 (GPU["name"], on_gpu, INTERCONNECTS)):
                 for name in names:
                     for ranks in RANKS:
-                        step = step_compute + allreduce_seconds(gradient_bytes, ranks, **interconnects[name])
+                        step = step_compute + allreduce_seconds(gradient_bytes, ranks, **interconnects[name],
+                                                                operations=operations)
                         projection.append(dict(model=model, compute=device, interconnect=name, ranks=ranks,
                                                step_compute=step_compute, efficiency=step_compute / step,
                                                epoch_seconds=EXAMPLES_PER_EPOCH / (ranks * batch) * step))

@@ -3,6 +3,7 @@ import json
 import os
 import statistics
 
+from hvd_sgd.bench import network
 from hvd_sgd.bench.suites import contender_names
 
 TARGETS = [  # (name, suite, model, measured ratio key, minimum)
@@ -48,14 +49,14 @@ def write(results, directory):
         elif suite == "network":
             md += ["2 nodes of run/cluster, 1 rank each. Efficiency: hvd_sgd on the 2 nodes over 2 independent "
                    "processes (no all-reduce) on the same cores.", "",
-                   "| link | model | hvd_sgd 2 nodes img/s | 2 independent img/s | efficiency | per-round |",
-                   "| --- | --- | --- | --- | --- | --- |"]
+                   "| link | model | hvd_sgd 2 nodes img/s | 2 independent img/s | efficiency | per-round | "
+                   "all-reduces a step |", "| --- | --- | --- | --- | --- | --- | --- |"]
             for link, row in rows.items():
-                for model in (m for m in row if m != "allreduce"):
-                    r = row[model]
+                for model, r in network.model_rows(row).items():
                     ours, theirs = contender_names(r)
                     md.append(f"| {link} | {model} | {r[ours]:.0f} | {r[theirs]:.0f} | {r['ratio']:.2f} | "
-                              f"{', '.join(f'{x:.2f}' for x in r['rounds']['ratio'])} |")
+                              f"{', '.join(f'{x:.2f}' for x in r['rounds']['ratio'])} | "
+                              f"{row['ops_per_step'][model]:.2f} |")
             for link, row in rows.items():
                 md += ["", f"All-reduce across the nodes, link {link}:", "", *_allreduce_table(row["allreduce"])]
         elif suite == "tta":
@@ -115,9 +116,10 @@ def _project_tables(p):
     md = ["Fitted on 2 nodes: " + "; ".join(f"{link}: latency {f['latency'] * 1e6:.0f} µs, bandwidth "
                                             f"{f['bandwidth'] / 1e9:.3f} GB/s" for link, f in p["links"].items()),
           "", "Validation, 2 nodes x 1 rank (predicted efficiency against the network suite's measured one):", "",
-          "| link | model | predicted | measured | error |", "| --- | --- | --- | --- | --- |"]
-    md += [f"| {v['link']} | {v['model']} | {v['predicted']:.2f} | {v['measured']:.2f} | {v['error']:+.0%} |"
-           for v in p["validation"]]
+          "| link | model | all-reduces a step | predicted | measured | error |",
+          "| --- | --- | --- | --- | --- | --- |"]
+    md += [f"| {v['link']} | {v['model']} | {v['ops_per_step']:.2f} | {v['predicted']:.2f} | {v['measured']:.2f} | "
+           f"{v['error']:+.0%} |" for v in p["validation"]]
     ranks = sorted({r["ranks"] for r in p["projection"]})
     md += ["", "Projected efficiency (seconds per epoch of 60 000 examples), with a rank's compute measured on this "
            "machine or given for a GPU class (its step in ms):", "",

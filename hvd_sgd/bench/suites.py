@@ -59,10 +59,10 @@ def run(plan):
             steps = {m: STEPS[m, plan.quick] for m in plan.models}
             results["suites"][suite] = network.run(plan, paired, steps, plan.models)
         elif suite == "project":
-            from hvd_sgd.bench import project
-            network = results["suites"]["network"]
-            models = {m for row in network.values() for m in row if m != "allreduce"}
-            results["suites"][suite] = project.run(network, project.model_sizes(models))
+            from hvd_sgd.bench import network, project
+            measured = results["suites"]["network"]
+            models = {m for row in measured.values() for m in network.model_rows(row)}
+            results["suites"][suite] = project.run(measured, project.model_sizes(models))
         elif suite == "stacks":
             results["suites"][suite] = stacks(plan)
         elif suite == "tta":
