@@ -83,7 +83,8 @@ def hvd_sgd_throughput(np_, model, steps, nodes=None):
 
 
 def allreduce_ops_per_step(np_, model, steps, nodes=None):
-    """All-reduce operations per step of the same run, from Horovod's timeline (rank 0 writes it).
+    """All-reduce operations per step of a run like hvd_sgd_throughput's, its own, with Horovod's
+    timeline on (rank 0 writes it; the timeline slows a run, so its speed is not measured here).
     Horovod fuses the gradients that are ready together; at hvd_sgd's 0 ms cycle the first ones
     go while the backward pass still computes the rest, so a step makes one operation or several."""
     with tempfile.TemporaryDirectory(dir=nodes and nodes.shared_dir) as tmp:
@@ -98,7 +99,8 @@ def allreduce_ops_per_step(np_, model, steps, nodes=None):
 def _allreduce_operations(timeline):
     """Operations in a Horovod timeline: each tensor of a fused operation has its own row, whose
     MPI_ALLREDUCE begins within the operation; the next operation begins after it ended."""
-    events = json.loads(timeline.rstrip().rstrip(",") + ("" if timeline.rstrip().endswith("]") else "]"))
+    text = timeline.rstrip().rstrip(",")  # Horovod leaves the list open until it shuts down
+    events = json.loads(text if text.endswith("]") else text + "]")
     open_spans, spans = {}, []
     for e in events:
         if e.get("ph") == "B":
