@@ -90,3 +90,17 @@ def test_a_fused_all_reduce_counts_once_in_horovods_timeline():
     timeline = "[\n" + "".join(json.dumps(e) + ",\n" for e in events)
     assert _allreduce_operations(timeline) == 2
     assert _allreduce_operations(timeline.rstrip().rstrip(",") + "]") == 2
+
+
+def test_the_overlap_bound_fuses_the_gradients_that_wait_and_charges_what_is_left():
+    """Three layers of 100 multiply-adds, a step of 8 s: the backward pass makes the last layer's
+    gradients at 2 s, the middle's at 4 s, the first's at 5 s (it needs no input gradient). The
+    first operation runs until 5.5 s, so the other two go fused in one, ending at 6.2 s."""
+    from hvd_sgd.bench.project import overlapped_allreduce
+
+    layers = [dict(gradient_bytes=nbytes, multiply_adds=100) for nbytes in (0.2, 0.3, 3.3)]
+    # 2 ranks, 0.1 s latency, 1 byte/s: an operation takes 0.2 s + its bytes
+    exposed, operations = overlapped_allreduce(layers, 8.0, 2, latency=0.1, bandwidth=1.0)
+    assert operations == 2 and exposed == pytest.approx(1.2)
+    exposed, operations = overlapped_allreduce(layers[:1] * 3, 8.0, 2, latency=0.1, bandwidth=1.0)
+    assert operations == 3 and exposed == pytest.approx(0.4)  # each op ends before the next gradients

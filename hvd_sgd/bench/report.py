@@ -116,10 +116,12 @@ def _project_tables(p):
     md = ["Fitted on 2 nodes: " + "; ".join(f"{link}: latency {f['latency'] * 1e6:.0f} µs, bandwidth "
                                             f"{f['bandwidth'] / 1e9:.3f} GB/s" for link, f in p["links"].items()),
           "", "Validation, 2 nodes x 1 rank (predicted efficiency against the network suite's measured one):", "",
-          "| link | model | all-reduces a step | predicted | measured | error |",
-          "| --- | --- | --- | --- | --- | --- |"]
+          "| link | model | all-reduces a step (timeline) | predicted | measured | error "
+          "| with overlap (operations) | its error |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     md += [f"| {v['link']} | {v['model']} | {v['ops_per_step']:.2f} | {v['predicted']:.2f} | {v['measured']:.2f} | "
-           f"{v['error']:+.0%} |" for v in p["validation"]]
+           f"{v['error']:+.0%} | {v['overlapped']:.2f} ({v['overlapped_ops']}) | {v['overlapped_error']:+.0%} |"
+           for v in p["validation"]]
     ranks = sorted({r["ranks"] for r in p["projection"]})
     md += ["", "Projected efficiency (seconds per epoch of 60 000 examples), with a rank's compute measured on this "
            "machine or given for a GPU class (its step in ms):", "",
