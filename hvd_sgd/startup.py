@@ -46,6 +46,11 @@ def launched_by_mpi():
     return "HOROVOD_RANK" not in os.environ and any(v in os.environ for v in _MPI_VARIABLES)
 
 
+# How long another rank waits before it exits on an error that the first rank reports: mpirun
+# ends the job when any rank fails, and the first rank may still be starting up.
+ERROR_GRACE_SECONDS = 5
+
+
 def main_guard(main, prog):
     """Run ``main``; a JobError becomes one line on stderr from the first rank and exit status 1 on all.
 
@@ -62,6 +67,9 @@ def main_guard(main, prog):
         if launch_rank() == 0:
             first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
             print(f"{prog}: {'' if stopped else 'error: '}{first_line}", file=sys.stderr, flush=True)
+        elif not stopped:
+            # The first rank's exit ends the job at once; an error only this rank saw costs the wait.
+            time.sleep(ERROR_GRACE_SECONDS)
         sys.exit(EXIT_STOPPED if stopped else 1)
 
 
