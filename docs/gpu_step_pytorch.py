@@ -1,5 +1,5 @@
 """hvd_sgd's three MNIST models, layer for layer in PyTorch, one training step on this GPU:
-eager (a kernel launch per op, as a Keras step dispatches them) and replayed as one CUDA graph.
+eager (launched op by op from Python) and replayed as one CUDA graph.
 
 How docs/scaling.md's H200 steps were measured, on a machine with PyTorch and CUDA but no
 TensorFlow that Horovod 0.28.1 builds against: ``python3 docs/gpu_step_pytorch.py`` writes

@@ -19,15 +19,17 @@ STACK = "current" if distributed.KERAS_3 else "default"  # the stack of this Pyt
 _TAG = re.compile(r"^\[[\d,]+\]<std(?:out|err)>:")
 
 
-def launch(launcher, np_, *args, module="hvd_sgd.train", timeout=240, env=None, exits_dir=None):
+def launch(launcher, np_, *args, module="hvd_sgd.train", timeout=240, env=None, exits_dir=None, wrapper=()):
     """Run hvd_sgd under a real launcher; returns the CompletedProcess (text output).
 
     ``exits_dir``: mpirun only; every rank runs to its own end (mpirun does not kill the others
     when one fails) and writes its exit status to ``exits_dir/rank-N``.
+    ``wrapper``: mpirun only; a command that each rank runs the program through
+    (``sh -c '…; exec "$@"' sh``).
     """
-    before = ()
+    before = tuple(wrapper)
     if exits_dir is not None:
-        assert launcher == "mpirun"
+        assert launcher == "mpirun" and not wrapper
         before = ("--mca", "orte_abort_on_non_zero_status", "0", "sh", "-c",
                    f'"$@"; status=$?; echo $status > {exits_dir}/rank-$OMPI_COMM_WORLD_RANK; exit $status', "sh")
     command = launchers.command(launcher, np_, module, args, before_program=before)

@@ -106,9 +106,7 @@ def test_the_error_line_is_not_lost_when_the_first_rank_starts_last():
     """mpirun ends the job as soon as one rank fails. The other ranks wait for the first one, which
     reports the error, even when it starts 3 s after them."""
     first_rank_late = ("sh", "-c", 'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then sleep 3; fi; exec "$@"', "sh")
-    command = launchers.command("mpirun", 2, "hvd_sgd.train", ["--epochs", 0], before_program=first_rank_late)
-    result = subprocess.run(command, cwd=ROOT, env=launchers.environment(), capture_output=True, text=True,
-                            timeout=120)
+    result = launch("mpirun", 2, "--epochs", 0, wrapper=first_rank_late, timeout=120)
     errors = [line for line in output_lines(result.stderr) if "error:" in line]
     assert result.returncode != 0 and errors == ["hvd_sgd.train: error: --epochs must be at least 1, got 0"], \
         result.stderr[-3000:]
