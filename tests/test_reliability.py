@@ -155,6 +155,16 @@ LONG_RUN = ["--model", "mlp", "--train-examples", 16384, "--test-examples", 500,
             "--epochs", 100, "--max-steps", LONG_STEPS, "--log-every-steps", 10, "--checkpoint-every-steps", 50]
 
 
+def frozen(process):
+    """SIGSTOP ``process`` and wait until it has stopped: the signal is delivered asynchronously, and
+    on a fast machine the run can still write a file after send_signal returns."""
+    process.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while process.status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return process
+
+
 def checkpoint_from_step(directory, step):
     """Whether a checkpoint of ``step`` or later is there (older ones are rotated away, so wait for any)."""
     return lambda: any(int(index.name[len("ckpt-"):-len(".index")]) >= step for index in directory.glob("ckpt-*.index"))
@@ -293,7 +303,7 @@ def test_a_second_run_on_a_checkpoint_directory_in_use_fails_in_one_line(tmp_pat
     first = start_and_wait(launchers.command("python", 1, "hvd_sgd.train", [
         *LONG_RUN, "--max-steps", 400, "--stall-timeout", 600, "--checkpoint-dir", checkpoints, "--save-model", model]),
         checkpoint_from_step(checkpoints, 50), timeout=120)
-    first.send_signal(signal.SIGSTOP)
+    frozen(psutil.Process(first.pid))
     try:
         before = snapshot(checkpoints)
         for launcher, np_, resume in (("python", 1, []), ("mpirun", 2, ["--resume"]), ("horovodrun", 2, [])):
