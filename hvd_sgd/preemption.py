@@ -2,8 +2,8 @@
 scancel, Ctrl-C.
 
 SIGTERM, SIGUSR1 or SIGINT to any rank sets that rank's stop request. Every CHECK_EVERY_STEPS
-training steps the ranks all-reduce their requests (Max, beside the gradients), so all see it
-after the same step: rank 0 checkpoints exactly that step and every rank ends with ``Stopped`` (exit status
+training steps the ranks all-reduce their requests (Max), so all see it after the same step:
+rank 0 checkpoints exactly that step and every rank ends with ``Stopped`` (exit status
 EXIT_STOPPED). A second signal, or a stop still unfinished after ``grace`` seconds (a rank gone,
 a collective that never ends), exits the process at once: the previous checkpoint stays the latest.
 
@@ -27,8 +27,8 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, to be continued; not a fai
 # One request often arrives twice: Ctrl-C reaches the launcher and the ranks, and mpirun forwards
 # SIGUSR1 to ranks that got it from the batch system too. Within this window it is the same request.
 SAME_REQUEST_SECONDS = 1.0
-# An all-reduce costs about 0.1 ms here, a tenth of a softmax step: the ranks compare requests
-# every few steps (the stop comes at most this many steps later).
+# The ranks compare requests in an all-reduce of its own, between steps: not after every step,
+# which would slow a short one (the stop comes at most this many steps later).
 CHECK_EVERY_STEPS = 10
 
 
@@ -52,17 +52,6 @@ class StopRequest:
     def __init__(self, grace):
         self.grace = grace
         self.signal = None
-        self._flag = None
-        self._lock = threading.Lock()
-
-    def ready(self):
-        """From ``fit``, once start-up has set TensorFlow's thread counts (the first variable fixes
-        them) and before the step is compiled: the request becomes a variable that the compiled
-        step reads, set already if a signal came during start-up."""
-        with self._lock:
-            if self._flag is None:
-                self._flag = tf.Variable(1.0 if self.signal else 0.0, trainable=False, name="stop_request")
-        return self
 
     def _install(self):
         """The signals are acted on by a thread of their own (through Python's wake-up fd), which
@@ -81,29 +70,22 @@ class StopRequest:
                 if signum in SIGNALS:
                     self._on_signal(signum)
 
-    @tf.autograph.experimental.do_not_convert
-    def agreed(self, step):
-        """In the compiled step: True on every rank, after the same step, once any rank has been
-        signalled. One rank alone needs no all-reduce; several all-reduce the requests every
-        CHECK_EVERY_STEPS steps (every rank is at the same step, so all take part or none).
-        Its branch on a tensor is a tf.cond, so autograph is off: it would only convert Horovod's
-        all-reduce, seconds of each rank's first step (docs/benchmarks.md, "Start-up")."""
+    def agreed(self):
+        """True on every rank once any rank has been signalled. Between steps, after the same step
+        on every rank: with several ranks it is an all-reduce (outside the compiled step, whose
+        every run it would otherwise slow by a tf.cond: docs/reliability.md)."""
         import horovod.tensorflow as hvd
+        requested = self.signal is not None
         if hvd.size() == 1:
-            return self._flag.read_value() > 0
-        return tf.cond(step % CHECK_EVERY_STEPS == 0,
-                       lambda: hvd.allreduce(self._flag.read_value(), op=hvd.Max, name="stop_request") > 0,
-                       lambda: tf.constant(False))
+            return requested
+        return bool(hvd.allreduce(tf.constant(float(requested)), op=hvd.Max, name="stop_request") > 0)
 
     def _on_signal(self, signum):
         if self.signal is not None and time.monotonic() - self.first_at < SAME_REQUEST_SECONDS:
             return
         if self.signal is not None:  # a second request: now
             _exit_now(f"second signal ({signal.Signals(signum).name}): exiting without a checkpoint", signum)
-        with self._lock:
-            self.signal, self.first_at = signal.Signals(signum).name, time.monotonic()
-            if self._flag is not None:
-                self._flag.assign(1.0)
+        self.signal, self.first_at = signal.Signals(signum).name, time.monotonic()
         if startup.launch_rank() == 0:  # one line for the job's log, at once: the stop itself may take a while
             sys.stdout.write(f"hvd_sgd: {self.signal} received: stopping after the next check of the ranks\n")
             sys.stdout.flush()

@@ -47,7 +47,7 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     watchdog = Watchdog(world, None if cfg.elastic else cfg.stall_timeout).start()  # a frozen rank ends the job
     # A signal stops every rank after the same step, with a checkpoint of it. Elastic mode: a
     # signalled worker is a lost one, and the others go on.
-    stop = None if cfg.elastic else preemption.listen(cfg.stall_timeout).ready()
+    stop = None if cfg.elastic else preemption.listen(cfg.stall_timeout)
     world.log(f"hvd_sgd: {world.size} rank(s) on {world.device}, {world.threads} thread(s) each, "
               f"model {getattr(model_fn, '__name__', cfg.model)}")
 
@@ -159,10 +159,8 @@ class Trainer:
     def __init__(self, world, cfg, splits, model, optimizer, step, lr, checkpoints, steps_per_epoch, total_steps,
                  stop=None):
         self.world, self.cfg, self.splits, self.model, self.step, self.lr = world, cfg, splits, model, step, lr
-        self.checkpoints, self.steps_per_epoch, self.total_steps = checkpoints, steps_per_epoch, total_steps
-        self.stop = stop
-        self.train_step = _make_train_step(model, optimizer, step, cfg.backward_passes_per_step, stop,
-                                           models.smoothed_cross_entropy(cfg.label_smoothing))
+        self.optimizer, self.checkpoints, self.stop = optimizer, checkpoints, stop
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.test_batches = batches.test_batches(splits)
         self.clock = StepClock()
         self.evaluations = []  # (step, epoch, accuracy, time) of each, for the summary
@@ -170,7 +168,7 @@ class Trainer:
         self.summaries = tf.summary.create_file_writer(cfg.log_dir) if world.is_chief and cfg.log_dir else None
 
     def set_steps_per_epoch(self, steps_per_epoch):
-        """Before the first step only (the schedule's lengths are traced into the step)."""
+        """Before the loop runs (the schedule's lengths are traced into its step)."""
         self.steps_per_epoch = steps_per_epoch
         self.total_steps, self.lr.warmup_steps, self.lr.decay_steps = _step_plan(self.cfg, steps_per_epoch)
 
@@ -183,12 +181,14 @@ class Trainer:
         rank_batch = self.cfg.batch_size * self.cfg.backward_passes_per_step
         indices = batches.rank_batch_indices(len(self.splits.x_train), rank_batch, self.world.size, self.world.rank,
                                              self.cfg.seed, first, self.total_steps, self.steps_per_epoch)
-        batch_iterator = iter(batches.train_batches(self.splits, indices))
+        train_step = _make_train_step(self.model, self.optimizer, self.step, self.cfg.backward_passes_per_step,
+                                      models.smoothed_cross_entropy(self.cfg.label_smoothing),
+                                      iter(batches.train_batches(self.splits, indices)))
         self.clock.start(first)
         result = None
         for _ in range(first, self.total_steps):
-            loss, stop_requested = self.train_step(batch_iterator)
-            n = int(self.step.numpy())
+            loss, n = train_step()
+            n = int(n)  # the global step, as the step returns it: reading the variable would be an op more
             after_step(n)
             self.clock.step_done(self.global_batch())
             last_step, epoch_end = n == self.total_steps, n % self.steps_per_epoch == 0
@@ -198,8 +198,8 @@ class Trainer:
                 self._log_progress(n, loss)
             if last_step or epoch_end:
                 result = self._evaluate(n)
-            # The ranks compare stop requests every few steps (reading it costs a copy from the device).
-            stop_now = n % preemption.CHECK_EVERY_STEPS == 0 and bool(stop_requested)
+            # The ranks compare stop requests every few steps (an all-reduce of its own).
+            stop_now = self.stop is not None and n % preemption.CHECK_EVERY_STEPS == 0 and self.stop.agreed()
             if checkpoint_due or stop_now:
                 self._save_checkpoint(n)
             if stop_now:  # the all-reduced request: every rank stops after this same step
@@ -276,10 +276,11 @@ def _train_elastically(trainer, variables):
     return train(state)
 
 
-def _make_train_step(model, optimizer, step, backward_passes, stop, loss):
-    @tf.function
-    def train_step(batch_iterator):
-        """The step's loss, and whether any rank has been asked to stop."""
+def _make_train_step(model, optimizer, step, backward_passes, loss, batch_iterator):
+    """The compiled step, traced here, with its batches' iterator captured: a tf.function binds and
+    flattens its arguments in Python at every call, which a short step notices (docs/benchmarks.md)."""
+    def train_step():
+        """The step's loss, and the global step after it."""
         images, labels = next(batch_iterator)  # inside the graph, as Keras' fit does: no Python hop per batch
         losses = []
         # One micro-batch per backward pass: the optimizer accumulates, then all-reduces and applies once.
@@ -287,11 +288,9 @@ def _make_train_step(model, optimizer, step, backward_passes, stop, loss):
             with tf.GradientTape() as tape:
                 losses.append(loss(micro_labels, model(micro_images, training=True)))
             optimizer.minimize(losses[-1], model.trainable_variables, tape=tape)
-        step.assign_add(1)
-        with tf.control_dependencies(losses):  # asked once the forward pass is done, beside the gradients
-            return tf.add_n(losses) / backward_passes, stop.agreed(step) if stop else tf.constant(False)
+        return tf.add_n(losses) / backward_passes, step.assign_add(1)
 
-    return train_step
+    return tf.function(train_step).get_concrete_function()
 
 
 def _finite(value, what, step):
