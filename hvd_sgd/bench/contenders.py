@@ -2,6 +2,7 @@
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import socket
 import statistics
@@ -14,6 +15,7 @@ from hvd_sgd.bench import protocol
 
 # softmax: the seed's 100 per rank on 2 ranks; cnn: its default, 32 per rank.
 GLOBAL_BATCH = {"softmax": 200, "classic_cnn": 128, "cnn": 64}
+EXAMPLES_PER_EPOCH = 60000  # MNIST's training set, which every contender trains on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +73,8 @@ def _train(np_, args, timeout=900, nodes=None, launcher="horovodrun", env=None):
 
 def _throughput_args(np_, model, steps, nodes):
     threads = ["--threads-per-rank", 1] if nodes else []
-    return ["--model", model, "--batch-size", GLOBAL_BATCH[model] // np_, "--max-steps", steps,
+    epochs = math.ceil(steps * GLOBAL_BATCH[model] / EXAMPLES_PER_EPOCH)  # enough for --max-steps to end the run
+    return ["--model", model, "--batch-size", GLOBAL_BATCH[model] // np_, "--max-steps", steps, "--epochs", epochs,
             "--test-examples", 1000, "--log-every-steps", 10 ** 6, *threads]
 
 

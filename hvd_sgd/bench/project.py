@@ -20,7 +20,6 @@ from hvd_sgd.bench import contenders
 from hvd_sgd.bench.network import model_rows
 
 RANKS = (2, 8, 64, 512)
-EXAMPLES_PER_EPOCH = 60000
 # Interconnects given by rate and per-message latency (typical figures, not measured here).
 INTERCONNECTS = {"1 Gbit/s TCP": (1e9, 50e-6), "10 Gbit/s TCP": (10e9, 25e-6), "25 Gbit/s RoCE": (25e9, 5e-6),
                  "100 Gbit/s InfiniBand": (100e9, 1.5e-6)}
@@ -149,7 +148,7 @@ def run(network, sizes):
                                                                 operations=operations)
                         projection.append(dict(model=model, compute=device, interconnect=name, ranks=ranks,
                                                step_compute=step_compute, efficiency=step_compute / step,
-                                               epoch_seconds=EXAMPLES_PER_EPOCH / (ranks * batch) * step))
+                                               epoch_seconds=contenders.EXAMPLES_PER_EPOCH / (ranks * batch) * step))
     for v in validation:
         v["error"] = v["predicted"] / v["measured"] - 1
         v["overlapped_error"] = v["overlapped"] / v["measured"] - 1
