@@ -7,7 +7,7 @@ global batch and number of timed steps (all but the first, which traces the grap
 ratios: this machine is shared and noisy, so absolute times mean little.
 
 1. overhead   hvd_sgd on 1 rank vs a plain Keras ``fit`` loop without Horovod
-2. scaling    hvd_sgd on 2 ranks vs two independent 1-rank Keras trainings at once (the ceiling)
+2. scaling    hvd_sgd on 2 ranks vs two 1-rank hvd_sgd runs at once: the same work, nothing to all-reduce
 3. peer       hvd_sgd on 2 ranks vs tf.distribute.MultiWorkerMirroredStrategy with 2 workers
 4. allreduce  bus bandwidth of hvd.allreduce (MPI and Gloo controllers) vs mpi4py's Allreduce
 5. tta        the default recipe from the command to the target test accuracy: hvd_sgd on 1 and
