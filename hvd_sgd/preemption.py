@@ -1,9 +1,9 @@
 """A signal becomes a clean stop: the batch system's warning before a time limit, preemption,
 scancel, Ctrl-C.
 
-SIGTERM, SIGUSR1 or SIGINT to any rank sets that rank's stop request. Every CHECK_EVERY_STEPS
-training steps the ranks all-reduce their requests (Max), so all see it after the same step:
-rank 0 checkpoints exactly that step and every rank ends with ``Stopped`` (exit status
+SIGTERM, SIGUSR1 or SIGINT to any rank sets that rank's stop request. After about
+CHECK_EVERY_SECONDS of steps the ranks all-reduce their requests (Max), so all see it after the
+same step: rank 0 checkpoints exactly that step and every rank ends with ``Stopped`` (exit status
 EXIT_STOPPED). A second signal, or a stop still unfinished after ``grace`` seconds (a rank gone,
 a collective that never ends), exits the process at once: the previous checkpoint stays the latest.
 
@@ -27,9 +27,10 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, to be continued; not a fai
 # One request often arrives twice: Ctrl-C reaches the launcher and the ranks, and mpirun forwards
 # SIGUSR1 to ranks that got it from the batch system too. Within this window it is the same request.
 SAME_REQUEST_SECONDS = 1.0
-# The ranks compare requests in an all-reduce of its own, between steps: not after every step,
-# which would slow a short one (the stop comes at most this many steps later).
-CHECK_EVERY_STEPS = 10
+# The ranks compare requests in an all-reduce of their own, between steps, after as many steps as
+# take this long (every step, if one takes longer): an all-reduce after every short step would cost
+# it a tenth or more of its time (docs/reliability.md), and a stop comes within a fraction of a second.
+CHECK_EVERY_SECONDS = 0.1
 
 
 class Stopped(JobError):
@@ -70,15 +71,15 @@ class StopRequest:
                 if signum in SIGNALS:
                     self._on_signal(signum)
 
-    def agreed(self):
-        """True on every rank once any rank has been signalled. Between steps, after the same step
-        on every rank: with several ranks it is an all-reduce (outside the compiled step, whose
-        every run it would otherwise slow by a tf.cond: docs/reliability.md)."""
+    def agreed(self, seconds_per_step):
+        """Whether any rank has been signalled, and in how many steps to ask again: the same on
+        every rank. Between steps, after the same step on every rank: with several ranks, one
+        all-reduce (Max) of the requests and of each rank's ``seconds_per_step`` (0: not known yet)."""
         import horovod.tensorflow as hvd
-        requested = self.signal is not None
-        if hvd.size() == 1:
-            return requested
-        return bool(hvd.allreduce(tf.constant(float(requested)), op=hvd.Max, name="stop_request") > 0)
+        mine = [float(self.signal is not None), seconds_per_step]
+        requested, slowest = (hvd.allreduce(tf.constant(mine), op=hvd.Max, name="stop_request").numpy()
+                              if hvd.size() > 1 else mine)
+        return bool(requested > 0), max(1, round(CHECK_EVERY_SECONDS / slowest)) if slowest > 0 else 1
 
     def _on_signal(self, signum):
         if self.signal is not None and time.monotonic() - self.first_at < SAME_REQUEST_SECONDS:

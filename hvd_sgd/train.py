@@ -185,7 +185,7 @@ class Trainer:
                                       models.smoothed_cross_entropy(self.cfg.label_smoothing),
                                       iter(batches.train_batches(self.splits, indices)))
         self.clock.start(first)
-        result = None
+        result, next_check = None, first + 1
         for _ in range(first, self.total_steps):
             loss, n = train_step()
             n = int(n)  # the global step, as the step returns it: reading the variable would be an op more
@@ -198,8 +198,11 @@ class Trainer:
                 self._log_progress(n, loss)
             if last_step or epoch_end:
                 result = self._evaluate(n)
-            # The ranks compare stop requests every few steps (an all-reduce of its own).
-            stop_now = self.stop is not None and n % preemption.CHECK_EVERY_STEPS == 0 and self.stop.agreed()
+            # The ranks compare stop requests after about 0.1 s of steps (an all-reduce of its own).
+            stop_now = False
+            if self.stop is not None and n >= next_check:
+                stop_now, steps_to_next = self.stop.agreed(self.clock.seconds_per_step())
+                next_check = n + steps_to_next
             if checkpoint_due or stop_now:
                 self._save_checkpoint(n)
             if stop_now:  # the all-reduced request: every rank stops after this same step
@@ -314,7 +317,7 @@ class StepClock:
 
     def __init__(self):
         self.created = time.perf_counter()
-        self.images, self.seconds = 0, 0.0
+        self.images, self.seconds, self.timed_steps = 0, 0.0, 0
         self.last = self.first_step_at = None
         self.first_step = self.steps = 0
 
@@ -329,6 +332,7 @@ class StepClock:
         if self.last is not None:
             self.images += images
             self.seconds += now - self.last
+            self.timed_steps += 1
         self.last = now
         self.steps += 1
 
@@ -339,6 +343,10 @@ class StepClock:
 
     def images_per_second(self):
         return self.images / self.seconds if self.seconds > 0 else 0.0
+
+    def seconds_per_step(self):
+        """The mean of the timed steps; 0 before the first."""
+        return self.seconds / self.timed_steps if self.timed_steps else 0.0
 
     def wall_seconds(self):
         return time.perf_counter() - self.created

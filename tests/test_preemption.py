@@ -1,16 +1,20 @@
 """A signal stops the run cleanly: every rank after the same step, rank 0's checkpoint of exactly
 that step, one line, exit status 75; a second signal exits at once. The Slurm side (the job
 script's signal, requeue and implied resume) is in test_slurm."""
+import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 
-from conftest import assert_same_weights, launch, output_lines, saved_weights, succeeded
+from conftest import ROOT, assert_same_weights, launch, output_lines, saved_weights, succeeded
 from hvd_sgd import launchers
-from hvd_sgd.preemption import CHECK_EVERY_STEPS, EXIT_STOPPED
+from hvd_sgd.preemption import CHECK_EVERY_SECONDS, EXIT_STOPPED
 from test_reliability import (LONG_RUN, checkpoint_from_step, ended_within, frozen, rank_process, start_and_wait,
                               uninterrupted)
 
@@ -124,4 +128,31 @@ def test_a_signal_during_start_up_stops_the_run_at_its_first_check(tmp_path):
     assert received < started, stdout  # the request came before fit began, and was kept
     [line] = stop_lines(stderr)
     stopped_at = int(line.split(" at step ")[1].split("/")[0])
-    assert 0 < stopped_at <= CHECK_EVERY_STEPS and latest_checkpoint_step(checkpoints) == stopped_at, line
+    assert stopped_at == 1 and latest_checkpoint_step(checkpoints) == stopped_at, line  # the first check: after step 1
+
+
+CHECK_INTERVALS = """
+import json
+from hvd_sgd import preemption, startup
+startup.start()
+import horovod.tensorflow as hvd
+stop = preemption.StopRequest(60)
+if hvd.rank() == 1:
+    stop.signal = "SIGUSR1"  # as a signal to this rank sets it
+seconds = [0.0002, 0.001][hvd.rank()]  # rank 1 steps five times slower
+agreed = [stop.agreed(s) for s in (seconds, 0.0, 10 * seconds)]
+agreed = hvd.allgather_object(agreed)
+if hvd.rank() == 0:
+    print(json.dumps(agreed))
+"""
+
+
+def test_the_ranks_agree_on_the_request_and_on_when_to_ask_again():
+    """Every rank gets the same answer: some rank was signalled, and the next check comes after
+    CHECK_EVERY_SECONDS of the slowest rank's steps (after one step while no step was timed)."""
+    result = succeeded(subprocess.run([shutil.which("mpirun"), "-np", "2", sys.executable, "-c", CHECK_INTERVALS],
+                                      env=launchers.environment(), cwd=ROOT, capture_output=True, text=True,
+                                      timeout=120))
+    answers = json.loads(output_lines(result.stdout)[-1])
+    every_step = round(CHECK_EVERY_SECONDS / 0.001)
+    assert answers[0] == answers[1] == [[True, every_step], [True, 1], [True, max(1, every_step // 10)]], answers
