@@ -33,8 +33,11 @@ class Nodes:
         return [*self.run_on_first, *launchers.command(launcher, np_, module, args, self.mpirun_options, self.hosts)]
 
 
-def _start(command, threads, **env):
-    return subprocess.Popen(list(map(str, command)), env=launchers.environment(OMP_NUM_THREADS=str(threads), **env),
+def _start(command, threads, cpus=None, **env):
+    """``command`` started, bound to ``cpus`` if given (as a launcher binds a rank: the process keeps that mask)."""
+    bound = ["taskset", "--cpu-list", ",".join(map(str, cpus))] if cpus else []
+    return subprocess.Popen(list(map(str, [*bound, *command])),
+                            env=launchers.environment(OMP_NUM_THREADS=str(threads), **env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -58,15 +61,15 @@ def _results(processes, timeout=900):
     return found
 
 
-def _train(np_, args, timeout=900, nodes=None, launcher="horovodrun", env=None):
-    """``hvd_sgd.train`` as a user runs it (``launcher`` for 2+ ranks); its metrics file, and when the
-    command started and ended (time.time(), as the metrics file's timeline)."""
+def _train(np_, args, timeout=900, nodes=None, launcher="horovodrun", env=None, cpus=None):
+    """``hvd_sgd.train`` as a user runs it (``launcher`` for 2+ ranks; on ``cpus`` if given); its metrics
+    file, and when the command started and ended (time.time(), as the metrics file's timeline)."""
     with tempfile.TemporaryDirectory(dir=nodes and nodes.shared_dir) as tmp:
         metrics = os.path.join(tmp, "m.json")
         command = _command("python" if np_ == 1 else launcher, np_, "hvd_sgd.train",
                            [*args, "--metrics-file", metrics], nodes)
         launched = time.time()
-        _results([_start(command, 1, **(env or {}))], timeout)
+        _results([_start(command, 1, cpus, **(env or {}))], timeout)
         ended = time.time()
         with open(metrics) as f:
             return json.load(f), launched, ended
@@ -144,27 +147,21 @@ def alternating(contenders, rounds):
 
 
 def allreduce_bandwidth(controller, sizes, rounds, nodes=None):
-    """hvd.allreduce under the given controller; raw MPI (mpi4py, in processes without Horovod) beside the MPI one.
+    """hvd.allreduce under the given controller; beside the MPI one, raw MPI (mpi4py) in the same
+    processes, timed block by block in turn with it.
 
-    ``rounds`` pairs of runs (``alternating``): per size each library's median bus bandwidth and,
-    for MPI, the per-round ratios hvd / mpi4py."""
-    sizes = ",".join(map(str, sizes))
-    launcher = "mpirun" if controller == "mpi" else "horovodrun-gloo"
-    launcher_of = {"horovod": launcher, "mpi4py": "mpirun"} if controller == "mpi" else {"horovod": launcher}
-    runs = {library: [] for library in launcher_of}
-    for library in alternating(list(launcher_of), rounds):
-        runs[library].append(_results([_start(_worker(launcher_of[library], 2, "allreduce", library, sizes,
-                                                      nodes=nodes), 1)])[0])
+    ``rounds`` runs: per size each library's median bus bandwidth and, for MPI, the per-round
+    ratios hvd / mpi4py."""
+    launcher, libraries = ("mpirun", "horovod,mpi4py") if controller == "mpi" else ("horovodrun-gloo", "horovod")
+    runs = [_results([_start(_worker(launcher, 2, "allreduce", libraries, ",".join(map(str, sizes)), nodes=nodes),
+                             1)])[0] for _ in range(rounds)]
 
-    def median(library, key):
-        return [statistics.median(by_size) for by_size in zip(*(r[key] for r in runs[library]))] \
-            if library in runs else []
+    def median(key):
+        return [statistics.median(by_size) for by_size in zip(*(r[key] for r in runs))] if key in runs[0] else []
 
-    ratios = [[h / m for h, m in zip(hvd["bandwidth"], raw["bandwidth"])]
-              for hvd, raw in zip(runs["horovod"], runs.get("mpi4py", []))]
-    return dict(sizes=runs["horovod"][0]["sizes"], horovod=median("horovod", "bandwidth"),
-                mpi4py=median("mpi4py", "bandwidth"), mpi4py_fixed_buffers=median("mpi4py", "bandwidth_fixed"),
-                ratios=[list(by_size) for by_size in zip(*ratios)])
+    ratios = [[h / m for h, m in zip(r["horovod"], r["mpi4py"])] for r in runs if "mpi4py" in r]
+    return dict(sizes=runs[0]["sizes"], horovod=median("horovod"), mpi4py=median("mpi4py"),
+                mpi4py_fixed_buffers=median("mpi4py_fixed_buffers"), ratios=[list(by_size) for by_size in zip(*ratios)])
 
 
 # Start-up's phases, each ending at the timeline's mark of that name ("end": the command's end).
@@ -221,11 +218,14 @@ def keras_np1(model, steps):
 
 def independent_2x1(model, steps):
     """The ceiling of 2 ranks: their work with nothing to all-reduce, as two 1-rank hvd_sgd runs at
-    once (half the global batch and a core's thread each; on 1 rank Horovod's optimizer reduces
-    nothing). hvd_sgd's own step, not plain Keras': a short step differs between the two loops."""
-    args = [*_throughput_args(2, model, steps, None), "--threads-per-rank", max(1, CORES // 2)]
+    once (half the global batch each; on 1 rank Horovod's optimizer reduces nothing), each bound
+    to half of the CPUs as hvd_sgd binds its 2 ranks. hvd_sgd's own step, not plain Keras': a
+    short step differs between the two loops."""
+    cpus, share = sorted(os.sched_getaffinity(0)), len(os.sched_getaffinity(0)) // 2
+    halves = [cpus[:share], cpus[share:2 * share]] if share else [None, None]
+    args = _throughput_args(2, model, steps, None)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        return sum(pool.map(lambda _: _train(1, args)[0]["images_per_second"], range(2)))
+        return sum(pool.map(lambda half: _train(1, args, cpus=half)[0]["images_per_second"], halves))
 
 
 def mwms_np2(model, steps):

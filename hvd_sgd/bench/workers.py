@@ -114,40 +114,44 @@ def mwms(model_name, global_batch, steps, threads):
 ALLREDUCE_BLOCKS, ALLREDUCE_BLOCK_SECONDS = 5, 0.1
 
 
-def allreduce(library, sizes):
-    """Bus bandwidth of a float32 sum all-reduce, per size: hvd.allreduce, or mpi4py's Allreduce.
+def allreduce(libraries, sizes):
+    """Bus bandwidth of a float32 sum all-reduce, per size: hvd.allreduce and, with "horovod,mpi4py",
+    mpi4py's Allreduce in the same processes, a timed block of each in turn.
 
     Both run the same chain, each all-reduce reducing the previous one's result (zeros, so the
     sums stay finite), as training reduces fresh gradients each step: hvd.allreduce in a compiled
     tf.function loop, as training runs it. mpi4py also reports the textbook loop that reduces one
-    send buffer over and over (``bandwidth_fixed``). Per size: a warm-up, then the median of
+    send buffer over and over (``mpi4py_fixed_buffers``). Per size: a warm-up, then the median of
     ALLREDUCE_BLOCKS timed blocks of about ALLREDUCE_BLOCK_SECONDS each (a block that the machine's
-    noise slowed does not count)."""
+    noise slowed does not count). The blocks alternate between the loops: on this machine how fast
+    two processes copy to each other moves from minute to minute, so loops timed apart disagreed
+    by more than the libraries do (docs/benchmarks.md, "5 December")."""
     sizes = [int(s) for s in str(sizes).split(",")]
-    loops, size, is_chief, from_rank_0 = _horovod_loops() if library == "horovod" else _mpi4py_loops()
-    result = dict(sizes=sizes)
-    for key, make in loops.items():
-        result[key] = []
-        for nbytes in sizes:
-            run = make(nbytes)
+    loops, size, is_chief, from_rank_0 = _allreduce_loops(libraries.split(","))
+    result = dict(sizes=sizes, **{key: [] for key in loops})
+    for nbytes in sizes:
+        runs, iterations, seconds = {key: make(nbytes) for key, make in loops.items()}, {}, {key: [] for key in loops}
+        for key, run in runs.items():
             run(2)  # traces the chain for this size and allocates its buffers
             start = time.perf_counter()
             run(5)  # sizes the blocks
-            iterations = max(5, min(1000, int(ALLREDUCE_BLOCK_SECONDS * 5 / (time.perf_counter() - start))))
-            iterations = from_rank_0(iterations)  # every rank runs as many
-            seconds = []
-            for _ in range(ALLREDUCE_BLOCKS):
+            iterations[key] = from_rank_0(max(5, min(1000, int(ALLREDUCE_BLOCK_SECONDS * 5 /
+                                                                (time.perf_counter() - start)))))  # as many on every rank
+        for _ in range(ALLREDUCE_BLOCKS):
+            for key, run in runs.items():
                 start = time.perf_counter()
-                run(iterations)
-                seconds.append((time.perf_counter() - start) / iterations)
-            result[key].append(2 * (size - 1) / size * nbytes / statistics.median(seconds) / 1e9)
+                run(iterations[key])
+                seconds[key].append((time.perf_counter() - start) / iterations[key])
+        for key in loops:
+            result[key].append(2 * (size - 1) / size * nbytes / statistics.median(seconds[key]) / 1e9)
     if is_chief:
         protocol.report(result)
 
 
-def _horovod_loops():
+def _allreduce_loops(libraries):
+    """The chains of ``libraries`` by name, the world's size, whether this is rank 0, and a broadcast from it."""
     from hvd_sgd import startup
-    world = startup.start(threads_per_rank=1)
+    world = startup.start(threads_per_rank=1)  # under mpirun, hvd.init on mpi4py's COMM_WORLD
     import horovod.tensorflow as hvd
 
     @tf.function
@@ -155,32 +159,26 @@ def _horovod_loops():
         return tf.while_loop(lambda i, t: i < iterations, lambda i, t: (i + 1, hvd.allreduce(t, op=hvd.Sum)),
                              (tf.constant(0), tensor))[1]
 
-    def chain(nbytes):
+    def horovod_chain(nbytes):
         tensor = tf.zeros(nbytes // 4, tf.float32)
         return lambda iterations: allreduce_chain(tensor, tf.constant(iterations)).numpy()
 
-    return dict(bandwidth=chain), world.size, world.is_chief, lambda n: hvd.broadcast_object(n, root_rank=0)
-
-
-def _mpi4py_loops():
-    from hvd_sgd import startup
-    startup.yield_when_idle()  # as hvd_sgd's ranks do: both sides run MPI alike
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
-
     def mpi_chain(nbytes, fixed):
         """Each Allreduce reduces the previous result or, ``fixed``, the same send buffer every time."""
+        from mpi4py import MPI
         buffers = [np.zeros(nbytes // 4, np.float32) for _ in range(2)]
 
         def run(iterations):
             for i in range(iterations):
                 source = 0 if fixed else i % 2
-                comm.Allreduce(buffers[source], buffers[1 - source])
+                MPI.COMM_WORLD.Allreduce(buffers[source], buffers[1 - source])
         return run
 
-    loops = dict(bandwidth=functools.partial(mpi_chain, fixed=False),
-                 bandwidth_fixed=functools.partial(mpi_chain, fixed=True))
-    return loops, comm.Get_size(), comm.Get_rank() == 0, lambda n: comm.bcast(n, root=0)
+    loops = dict(horovod=horovod_chain)
+    if "mpi4py" in libraries:
+        loops.update(mpi4py=functools.partial(mpi_chain, fixed=False),
+                     mpi4py_fixed_buffers=functools.partial(mpi_chain, fixed=True))
+    return loops, world.size, world.is_chief, lambda n: hvd.broadcast_object(n, root_rank=0)
 
 
 WORKERS = {"keras": keras, "keras_recipe": keras_recipe, "mwms": mwms, "allreduce": allreduce}
