@@ -216,14 +216,15 @@ def keras_np1(model, steps):
     return keras_throughput(model, GLOBAL_BATCH[model], steps, CORES)
 
 
-def independent_2x1(model, steps):
+def independent_2x1(model, steps, bound=True):
     """The ceiling of 2 ranks: their work with nothing to all-reduce, as two 1-rank hvd_sgd runs at
-    once (half the global batch each; on 1 rank Horovod's optimizer reduces nothing), each bound
-    to half of the CPUs as hvd_sgd binds its 2 ranks. hvd_sgd's own step, not plain Keras': a
-    short step differs between the two loops."""
-    cpus, share = sorted(os.sched_getaffinity(0)), len(os.sched_getaffinity(0)) // 2
-    halves = [cpus[:share], cpus[share:2 * share]] if share else [None, None]
-    args = _throughput_args(2, model, steps, None)
+    once (half the global batch each; on 1 rank Horovod's optimizer reduces nothing), placed as
+    the ranks are: ``bound`` to half of the CPUs each, as hvd_sgd binds 2 ranks on one host (the
+    virtual cluster's ranks, one a node, are not). hvd_sgd's own step, not plain Keras': a short
+    step differs between the two loops."""
+    cpus, share = sorted(os.sched_getaffinity(0)), max(1, len(os.sched_getaffinity(0)) // 2)
+    halves = [cpus[:share], cpus[share:2 * share]] if bound and len(cpus) > 1 else [None, None]
+    args = [*_throughput_args(2, model, steps, None), "--threads-per-rank", share]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         return sum(pool.map(lambda half: _train(1, args, cpus=half)[0]["images_per_second"], halves))
 
