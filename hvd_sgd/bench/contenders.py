@@ -222,7 +222,8 @@ def independent_2x1(model, steps, bound=True):
     the ranks are: ``bound`` to half of the CPUs each, as hvd_sgd binds 2 ranks on one host (the
     virtual cluster's ranks, one a node, are not). hvd_sgd's own step, not plain Keras': a short
     step differs between the two loops."""
-    cpus, share = sorted(os.sched_getaffinity(0)), max(1, len(os.sched_getaffinity(0)) // 2)
+    cpus = sorted(os.sched_getaffinity(0))  # sliced as startup._bind_to_cpu_share slices them
+    share = max(1, len(cpus) // 2)
     halves = [cpus[:share], cpus[share:2 * share]] if bound and len(cpus) > 1 else [None, None]
     args = [*_throughput_args(2, model, steps, None), "--threads-per-rank", share]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:

@@ -51,7 +51,8 @@ def run(plan, paired, steps, models):
             def hvd_sgd_2_nodes(model, n):
                 return contenders.hvd_sgd_throughput(2, model, n, nodes)
 
-            def independent_2x1(model, n):  # as the nodes' ranks run: not bound (horovodrun)
+            # Not bound, as the nodes' ranks run (horovodrun); named as the contender: the row's key.
+            def independent_2x1(model, n):
                 return contenders.independent_2x1(model, n, bound=False)
 
             row = dict(allreduce={c: contenders.allreduce_bandwidth(c, plan.allreduce_sizes, plan.rounds, nodes)
