@@ -43,14 +43,38 @@ def rank_batch_indices(num_examples, rank_batch, world_size, rank, seed, first_s
     return batches[start:start + last_step - first_step]
 
 
+def next_batch_op(splits, indices):
+    """For a compiled step: a function whose every call (inside the step) takes the next row of
+    ``indices`` and gathers its batch, (images float32 [B, h, w, 1] in [0, 1], labels int32 [B]).
+
+    One gather in the step's own graph: a tf.data pipeline's thread costs a rank that has one core
+    more than the gather itself (docs/benchmarks.md, "The batch gathered inside the step")."""
+    with tf.device("CPU"):  # the training set stays in host memory: only a batch goes to a GPU
+        examples = _Examples(splits, indices)
+        taken = tf.Variable(0, dtype=tf.int64, trainable=False, name="batches_taken")
+
+    def next_batch():
+        with tf.device("CPU"):
+            return examples.gather(tf.gather(examples.rows, taken.assign_add(1) - 1))
+
+    return next_batch
+
+
 def train_batches(splits, indices):
-    """A pipeline of (images float32 [B, h, w, 1] in [0, 1], labels int32 [B]), a batch per row of ``indices``."""
-    images, labels = tf.constant(splits.x_train), tf.constant(splits.y_train)
+    """The same batches as a tf.data pipeline, for Keras' ``fit`` (the bench's Keras contenders)."""
+    examples = _Examples(splits, indices)
+    return _without_autotuner(tf.data.Dataset.from_tensor_slices(examples.rows).map(examples.gather).prefetch(2))
 
-    def gather(batch):
-        return to_model_input(tf.gather(images, batch)), tf.cast(tf.gather(labels, batch), tf.int32)
 
-    return _without_autotuner(tf.data.Dataset.from_tensor_slices(indices).map(gather).prefetch(2))
+class _Examples:
+    """The training set and the batches' rows of indices, as tensors."""
+
+    def __init__(self, splits, indices):
+        self.images, self.labels = tf.constant(splits.x_train), tf.constant(splits.y_train)
+        self.rows = tf.constant(indices)
+
+    def gather(self, batch):
+        return to_model_input(tf.gather(self.images, batch)), tf.cast(tf.gather(self.labels, batch), tf.int32)
 
 
 def test_batches(splits, batch_size=1000):

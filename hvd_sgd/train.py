@@ -183,7 +183,7 @@ class Trainer:
                                              self.cfg.seed, first, self.total_steps, self.steps_per_epoch)
         train_step = _make_train_step(self.model, self.optimizer, self.step, self.cfg.backward_passes_per_step,
                                       models.smoothed_cross_entropy(self.cfg.label_smoothing),
-                                      iter(batches.train_batches(self.splits, indices)))
+                                      batches.next_batch_op(self.splits, indices))
         self.clock.start(first)
         result, next_check = None, first + 1
         for _ in range(first, self.total_steps):
@@ -279,12 +279,12 @@ def _train_elastically(trainer, variables):
     return train(state)
 
 
-def _make_train_step(model, optimizer, step, backward_passes, loss, batch_iterator):
-    """The compiled step, traced here, with its batches' iterator captured: a tf.function binds and
-    flattens its arguments in Python at every call, which a short step notices (docs/benchmarks.md)."""
+def _make_train_step(model, optimizer, step, backward_passes, loss, next_batch):
+    """The compiled step, traced here, taking its batch itself: a tf.function binds and flattens
+    its arguments in Python at every call, which a short step notices (docs/benchmarks.md)."""
     def train_step():
         """The step's loss, and the global step after it."""
-        images, labels = next(batch_iterator)  # inside the graph, as Keras' fit does: no Python hop per batch
+        images, labels = next_batch()  # inside the graph: no Python hop per batch
         losses = []
         # One micro-batch per backward pass: the optimizer accumulates, then all-reduces and applies once.
         for micro_images, micro_labels in zip(tf.split(images, backward_passes), tf.split(labels, backward_passes)):

@@ -1,6 +1,7 @@
 """Unit tests: the rank-independent data order, and the pipelines that follow it."""
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from conftest import write_dataset
 from hvd_sgd import JobError, batches, datasets
@@ -73,6 +74,20 @@ def test_no_full_step_is_a_clear_error():
         batches.steps_per_epoch(100, 30, 2, micro_batches=2)
     with pytest.raises(JobError, match="4 ranks but only 3 training examples"):
         batches.steps_per_epoch(3, 1, 4)
+
+
+def test_a_compiled_step_takes_the_indexed_batches_in_order(tmp_path):
+    arrays = write_dataset(tmp_path)
+    splits = datasets.read_idx_dir(str(tmp_path), "custom")
+    rows = np.array([[3, 1], [0, 7], [5, 5]])
+    step = tf.function(batches.next_batch_op(splits, rows)).get_concrete_function()
+    for row in rows:
+        images, labels = step()
+        assert images.shape == (2, *arrays["x_train"].shape[1:], 1) and images.dtype == tf.float32
+        np.testing.assert_allclose(images.numpy()[..., 0], arrays["x_train"][row] / 255, rtol=1e-6)
+        np.testing.assert_array_equal(labels.numpy(), arrays["y_train"][row])
+    with pytest.raises(tf.errors.InvalidArgumentError):  # past the last row: an error, never a wrap-around
+        step()
 
 
 def test_pipelines_yield_the_indexed_examples_and_run_without_the_autotuner(tmp_path):
