@@ -43,7 +43,7 @@ def rank_batch_indices(num_examples, rank_batch, world_size, rank, seed, first_s
     return batches[start:start + last_step - first_step]
 
 
-def next_batch_op(splits, indices):
+def step_batches(splits, indices):
     """For a compiled step: a function whose every call (inside the step) takes the next row of
     ``indices`` and gathers its batch, (images float32 [B, h, w, 1] in [0, 1], labels int32 [B]).
 

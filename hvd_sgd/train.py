@@ -183,7 +183,7 @@ class Trainer:
                                              self.cfg.seed, first, self.total_steps, self.steps_per_epoch)
         train_step = _make_train_step(self.model, self.optimizer, self.step, self.cfg.backward_passes_per_step,
                                       models.smoothed_cross_entropy(self.cfg.label_smoothing),
-                                      batches.next_batch_op(self.splits, indices))
+                                      batches.step_batches(self.splits, indices))
         self.clock.start(first)
         result, next_check = None, first + 1
         for _ in range(first, self.total_steps):

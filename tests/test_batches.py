@@ -80,7 +80,7 @@ def test_a_compiled_step_takes_the_indexed_batches_in_order(tmp_path):
     arrays = write_dataset(tmp_path)
     splits = datasets.read_idx_dir(str(tmp_path), "custom")
     rows = np.array([[3, 1], [0, 7], [5, 5]])
-    step = tf.function(batches.next_batch_op(splits, rows)).get_concrete_function()
+    step = tf.function(batches.step_batches(splits, rows)).get_concrete_function()
     for row in rows:
         images, labels = step()
         assert images.shape == (2, *arrays["x_train"].shape[1:], 1) and images.dtype == tf.float32
