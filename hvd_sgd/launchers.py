@@ -48,6 +48,15 @@ def command(launcher, np_, module, args=(), before_program=(), hosts=None):
     return [venv_bin("horovodrun"), "-np", str(np_), *across, *gloo, *program]
 
 
+def cpu_slice(index, count):
+    """The ``index``-th of ``count`` equal slices of the CPUs this process may use (empty when there
+    are more slices than CPUs): where hvd_sgd binds local rank ``index`` of ``count`` when its
+    launcher did not, and where the benchmark's ceiling places its processes to match."""
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // count
+    return cpus[index * share:(index + 1) * share]
+
+
 def venv_bin(name):
     """A program installed beside the launched Python (horovodrun comes with Horovod)."""
     return os.path.join(os.path.dirname(_python), name)

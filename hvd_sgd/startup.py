@@ -14,7 +14,7 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError
+from hvd_sgd import JobError, launchers
 
 try:
     import horovod.tensorflow as hvd
@@ -169,13 +169,12 @@ def _bind_to_cpu_share(bind):
     than the host looks bound too: its ranks are not rebound. (Comparing the ranks' masks would
     tell, but no collective can run here: TensorFlow's thread counts must be set before its first op.)
     """
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = os.sched_getaffinity(0)
     if len(cpus) < (os.cpu_count() or len(cpus)):
         return len(cpus)  # bound by the launcher
-    share = len(cpus) // hvd.local_size()
-    if bind and hvd.local_size() > 1 and share > 0:
-        own = cpus[hvd.local_rank() * share:(hvd.local_rank() + 1) * share]
+    own = launchers.cpu_slice(hvd.local_rank(), hvd.local_size())
+    if bind and hvd.local_size() > 1 and own:
         for thread in os.listdir("/proc/self/task"):
             with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
                 os.sched_setaffinity(int(thread), own)
-    return max(1, share)
+    return max(1, len(own))

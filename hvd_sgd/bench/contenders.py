@@ -222,10 +222,10 @@ def independent_2x1(model, steps, bound=True):
     the ranks are: ``bound`` to half of the CPUs each, as hvd_sgd binds 2 ranks on one host (the
     virtual cluster's ranks, one a node, are not). hvd_sgd's own step, not plain Keras': a short
     step differs between the two loops."""
-    cpus = sorted(os.sched_getaffinity(0))  # sliced as startup._bind_to_cpu_share slices them
-    share = max(1, len(cpus) // 2)
-    halves = [cpus[:share], cpus[share:2 * share]] if bound and len(cpus) > 1 else [None, None]
-    args = [*_throughput_args(2, model, steps, None), "--threads-per-rank", share]
+    halves = [launchers.cpu_slice(i, 2) for i in range(2)]
+    args = [*_throughput_args(2, model, steps, None), "--threads-per-rank", max(1, len(halves[0]))]
+    if not (bound and halves[0]):
+        halves = [None, None]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         return sum(pool.map(lambda half: _train(1, args, cpus=half)[0]["images_per_second"], halves))
 
