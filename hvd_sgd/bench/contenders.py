@@ -146,20 +146,20 @@ def alternating(contenders, rounds):
         yield from contenders if i % 2 == 0 else reversed(contenders)
 
 
-def allreduce_bandwidth(controller, sizes, rounds, nodes=None):
+def allreduce_bandwidth(controller, sizes, rounds, blocks, nodes=None):
     """hvd.allreduce under the given controller; beside the MPI one, raw MPI (mpi4py) in the same
-    processes, timed block by block in turn with it.
+    processes, timed block by block in turn with it (``blocks`` of each a size).
 
     ``rounds`` runs: per size each library's median bus bandwidth and, for MPI, the per-round
-    ratios hvd / mpi4py."""
+    ratios hvd / mpi4py (each the median over the round's pairs of blocks)."""
     launcher, libraries = ("mpirun", "horovod,mpi4py") if controller == "mpi" else ("horovodrun-gloo", "horovod")
-    runs = [_results([_start(_worker(launcher, 2, "allreduce", libraries, ",".join(map(str, sizes)), nodes=nodes),
-                             1)])[0] for _ in range(rounds)]
+    command = _worker(launcher, 2, "allreduce", libraries, ",".join(map(str, sizes)), blocks, nodes=nodes)
+    runs = [_results([_start(command, 1)])[0] for _ in range(rounds)]
 
     def median(key):
         return [statistics.median(by_size) for by_size in zip(*(r[key] for r in runs))] if key in runs[0] else []
 
-    ratios = [[h / m for h, m in zip(r["horovod"], r["mpi4py"])] for r in runs if "mpi4py" in r]
+    ratios = [r["horovod_over_mpi4py"] for r in runs if "mpi4py" in r]
     return dict(sizes=runs[0]["sizes"], horovod=median("horovod"), mpi4py=median("mpi4py"),
                 mpi4py_fixed_buffers=median("mpi4py_fixed_buffers"), ratios=[list(by_size) for by_size in zip(*ratios)])
 

@@ -40,6 +40,12 @@ class Plan:
         powers = (12, 16, 20, 22) if self.quick else range(12, 27, 2)  # 4 KiB to 4 MiB, or to 64 MiB
         return [1 << p for p in powers]
 
+    @property
+    def allreduce_blocks(self):
+        """Timed blocks a size, each loop: 15 hold the ratio hvd / mpi4py within ±10 % from run to run
+        on the fast machine type, where 5 did not (docs/benchmarks.md); quick runs check that it runs."""
+        return 3 if self.quick else 15
+
 
 def default_models(quick):
     return MODELS[:2] if quick else MODELS
@@ -52,7 +58,8 @@ def run(plan):
         print(f"== {suite}", flush=True)
         if suite == "allreduce":
             results["suites"][suite] = {
-                controller: contenders.allreduce_bandwidth(controller, plan.allreduce_sizes, plan.rounds)
+                controller: contenders.allreduce_bandwidth(controller, plan.allreduce_sizes, plan.rounds,
+                                                           plan.allreduce_blocks)
                 for controller in ("mpi", "gloo")}
         elif suite == "network":
             from hvd_sgd.bench import network

@@ -111,24 +111,25 @@ def mwms(model_name, global_batch, steps, threads):
         protocol.report(dict(images_per_second=timer.images_per_second()))
 
 
-ALLREDUCE_BLOCKS, ALLREDUCE_BLOCK_SECONDS = 5, 0.1
+ALLREDUCE_BLOCK_SECONDS = 0.1
 
 
-def allreduce(libraries, sizes):
+def allreduce(libraries, sizes, blocks):
     """Bus bandwidth of a float32 sum all-reduce, per size: hvd.allreduce and, with "horovod,mpi4py",
     mpi4py's Allreduce in the same processes, a timed block of each in turn.
 
     Both run the same chain, each all-reduce reducing the previous one's result (zeros, so the
     sums stay finite), as training reduces fresh gradients each step: hvd.allreduce in a compiled
     tf.function loop, as training runs it. mpi4py also reports the textbook loop that reduces one
-    send buffer over and over (``mpi4py_fixed_buffers``). Per size: a warm-up, then the median of
-    ALLREDUCE_BLOCKS timed blocks of about ALLREDUCE_BLOCK_SECONDS each (a block that the machine's
-    noise slowed does not count). The blocks alternate between the loops: on this machine how fast
-    two processes copy to each other moves from minute to minute, so loops timed apart disagreed
-    by more than the libraries do (docs/benchmarks.md, "5 December")."""
+    send buffer over and over (``mpi4py_fixed_buffers``). Per size: a warm-up, then ``blocks``
+    timed blocks of about ALLREDUCE_BLOCK_SECONDS per loop, the loops in turn. Each library's
+    bandwidth is the median over its blocks (a block that the machine's noise slowed does not
+    count). The ratio hvd / mpi4py is the median of the ratios of blocks timed next to each other:
+    on this machine how fast two processes copy to each other moves from minute to minute, so
+    loops timed apart disagreed by more than the libraries do (docs/benchmarks.md, "5 December")."""
     sizes = [int(s) for s in str(sizes).split(",")]
     loops, size, is_chief, from_rank_0 = _allreduce_loops(libraries.split(","))
-    result = dict(sizes=sizes, **{key: [] for key in loops})
+    result = dict(sizes=sizes, **{key: [] for key in loops}, horovod_over_mpi4py=[])
     for nbytes in sizes:
         runs, iterations, seconds = {key: make(nbytes) for key, make in loops.items()}, {}, {key: [] for key in loops}
         for key, run in runs.items():
@@ -137,13 +138,16 @@ def allreduce(libraries, sizes):
             run(5)  # sizes the blocks
             iterations[key] = from_rank_0(max(5, min(1000, int(ALLREDUCE_BLOCK_SECONDS * 5 /
                                                                 (time.perf_counter() - start)))))  # as many on every rank
-        for _ in range(ALLREDUCE_BLOCKS):
+        for _ in range(int(blocks)):
             for key, run in runs.items():
                 start = time.perf_counter()
                 run(iterations[key])
                 seconds[key].append((time.perf_counter() - start) / iterations[key])
         for key in loops:
             result[key].append(2 * (size - 1) / size * nbytes / statistics.median(seconds[key]) / 1e9)
+        if "mpi4py" in seconds:
+            result["horovod_over_mpi4py"].append(statistics.median(
+                m / h for h, m in zip(seconds["horovod"], seconds["mpi4py"])))
     if is_chief:
         protocol.report(result)
 
