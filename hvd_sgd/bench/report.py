@@ -83,7 +83,8 @@ def write(results, directory):
 
 def _allreduce_table(rows):
     lines = ["Bus bandwidth, GB/s, each library's median over the rounds. Each all-reduce reduces the previous "
-             "one's result; ratio: the median of the per-round ratios (range in brackets). The last column "
+             "one's result; ratio: the median of the per-round ratios (range in brackets), each round's the "
+             "median over its pairs of blocks timed next to each other. The last column "
              "reduces one send buffer over and over (the textbook loop, shown, not the target).", "",
              "| controller | size | hvd.allreduce | mpi4py Allreduce | ratio | per-round range | "
              "mpi4py, fixed buffers |", "| --- | --- | --- | --- | --- | --- | --- |"]
