@@ -23,6 +23,25 @@ def using_python(python):
         _python = saved
 
 
+@contextlib.contextmanager
+def environment_variable(name, value):
+    """``os.environ[name]`` is ``value`` (None: unset) inside this block, and so in the environment of
+    what it launches; as it was after. The benchmark's lever suite runs without and with one."""
+    saved = os.environ.get(name)
+    _set_variable(name, value)
+    try:
+        yield
+    finally:
+        _set_variable(name, saved)
+
+
+def _set_variable(name, value):
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def environment(**extra):
     """This environment, plus what Open MPI needs to start as root, and unbuffered output; ``extra`` wins."""
     return {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",

@@ -69,6 +69,43 @@ def test_the_stacks_suite_runs_each_stack_side_by_side(tmp_path):
     assert "| softmax | current |" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.slow
+def test_the_lever_suite_measures_without_and_with_its_variable(tmp_path):
+    lever = "OMPI_MCA_btl_vader_single_copy_mechanism=none"
+    result = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--quick", "--suites", "lever", "--models", "softmax",
+                             "--lever", lever, "--results-dir", tmp_path],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = json.loads((tmp_path / "results.json").read_text())["suites"]["lever"]
+    assert f"{row['variable']}={row['value']}" == lever
+    for setting in ("without", "with"):
+        ratios = row["scaling"]["softmax"][setting]
+        assert len(ratios) == 1 and math.isfinite(ratios[0]) and ratios[0] > 0, row["scaling"]
+        for figures in ("horovod", "horovod_over_mpi4py"):
+            by_size = row["allreduce"][figures][setting]
+            assert len(by_size) == len(row["allreduce"]["sizes"]) > 3 and all(
+                len(rounds) == 1 and rounds[0] > 0 for rounds in by_size), by_size
+    assert f"Without and with `{lever}`" in (tmp_path / "results.md").read_text()
+
+
+def test_a_lever_variable_is_set_inside_its_block_and_restored_after(monkeypatch):
+    from hvd_sgd import launchers
+    monkeypatch.setenv("HVD_SGD_LEVER_SET", "before")
+    monkeypatch.delenv("HVD_SGD_LEVER_UNSET", raising=False)
+    with launchers.environment_variable("HVD_SGD_LEVER_SET", None), \
+            launchers.environment_variable("HVD_SGD_LEVER_UNSET", "inside"):
+        launched = launchers.environment()
+        assert "HVD_SGD_LEVER_SET" not in launched and launched["HVD_SGD_LEVER_UNSET"] == "inside"
+    assert os.environ["HVD_SGD_LEVER_SET"] == "before" and "HVD_SGD_LEVER_UNSET" not in os.environ
+
+
+def test_a_lever_that_is_not_name_value_is_refused_before_anything_runs(tmp_path):
+    result = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--suites", "lever", "--lever", "single_copy",
+                             "--results-dir", tmp_path], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--lever: NAME=VALUE" in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_an_unknown_model_is_refused_before_anything_runs(tmp_path):
     result = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--models", "softmax,lenet", "--results-dir", tmp_path],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)

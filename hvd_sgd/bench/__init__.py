@@ -12,9 +12,11 @@ ratios: this machine is shared and noisy, so absolute times mean little.
 4. allreduce  bus bandwidth of hvd.allreduce (MPI and Gloo controllers) vs mpi4py's Allreduce
 5. tta        the default recipe from the command to the target test accuracy: hvd_sgd on 1 and
               2 ranks and the same recipe in plain Keras, with where the start-up's seconds go
-6. network    (not by default: root) across 2 nodes of run/cluster, links unshaped, 10 and 1 Gbit/s:
+6. lever      (not by default) the scaling suite and the MPI all-reduce without and with an
+              environment variable (--lever; Open MPI's single copy off unless it names another)
+7. network    (not by default: root) across 2 nodes of run/cluster, links unshaped, 10 and 1 Gbit/s:
               all-reduce as in 4, and hvd_sgd on 2 nodes vs two independent processes as in 2
-7. project    (after network) a ring all-reduce cost model and a compute model fitted to network's
+8. project    (after network) a ring all-reduce cost model and a compute model fitted to network's
               measurements, checked against them, and projected to 8, 64 and 512 ranks
 
 Modules: ``contenders`` starts each contender as its own process tree, ``workers`` is what

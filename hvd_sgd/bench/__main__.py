@@ -1,6 +1,7 @@
 """``python -m hvd_sgd.bench``: run the suites and write the report, or (``worker …``) be one contender."""
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -19,14 +20,18 @@ def main(argv=None):
     parser.add_argument("--results-dir", default="results/bench",
                         help="where results.json, results.md and the PNG plots go")
     parser.add_argument("--suites", default=",".join(suites.DEFAULT_SUITES),
-                        help=f"comma-separated, from {','.join(suites.SUITES)} (stacks: overhead and scaling on "
+                        help=f"comma-separated, from {','.join(suites.SUITES)} (lever: scaling and all-reduce without "
+                             f"and with --lever; stacks: overhead and scaling on "
                              f"both stacks, the current one set up too; network: as root, on a virtual cluster of "
                              f"2 nodes that it starts and stops)")
     parser.add_argument("--links", default=",".join(network.LINKS),
                         help=f"the network suite's links, from {','.join(network.LINKS)}")
     parser.add_argument("--models",
                         help=f"comma-separated, from {','.join(suites.MODELS)}: the models the overhead, scaling, "
-                             f"peer, stacks and network suites measure (default: all; with --quick the first two)")
+                             f"peer, lever, stacks and network suites measure (default: all; with --quick the first two)")
+    parser.add_argument("--lever", default=suites.DEFAULT_LEVER, metavar="NAME=VALUE",
+                        help="the environment variable the lever suite sets in the rounds it runs with it "
+                             "(Horovod's HOROVOD_*, Open MPI's OMPI_MCA_*, ...)")
     parser.add_argument("--rounds", type=int,
                         help="times each pair of contenders runs, alternating (default 3; 1 with --quick)")
     args = parser.parse_args(argv)
@@ -44,10 +49,12 @@ def main(argv=None):
     models = tuple(args.models.split(",")) if args.models else suites.default_models(args.quick)
     if not set(models) <= set(suites.MODELS):
         parser.error(f"--models: unknown {sorted(set(models) - set(suites.MODELS))}")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", args.lever):
+        parser.error(f"--lever: NAME=VALUE, an environment variable and its value, got {args.lever!r}")
     rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
     if rounds < 1:
         parser.error(f"--rounds must be at least 1, got {rounds}")
-    plan = suites.Plan(args.quick, args.results_dir, chosen, rounds, models, links)
+    plan = suites.Plan(args.quick, args.results_dir, chosen, rounds, models, links, args.lever)
     started = time.perf_counter()
     results = suites.run(plan)
     results["seconds"] = time.perf_counter() - started

@@ -65,6 +65,8 @@ def write(results, directory):
             md += _project_tables(rows)
         elif suite == "stacks":
             md += _stacks_table(rows)
+        elif suite == "lever":
+            md += _lever_tables(rows)
         else:
             keys = contender_names(next(iter(rows.values())))
             md += [f"| model | {' img/s | '.join(keys)} img/s | ratio | per-round ratios |",
@@ -156,6 +158,25 @@ def _stacks_table(rows):
                          f"{overhead['ratio']:.2f} | {scaling['hvd_sgd_np2']:.0f} | {scaling['independent_2x1']:.0f} | "
                          f"{scaling['ratio']:.2f} | {versus} |")
     return lines
+
+
+def _lever_tables(lever):
+    """Each figure without and with the lever: the median over the rounds (their range in brackets)."""
+    def cell(values, digits=2):
+        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    md = [f"Without and with `{lever['variable']}={lever['value']}`, the two alternating round by round.", "",
+          "| model | scaling without | scaling with |", "| --- | --- | --- |"]
+    md += [f"| {model} | {cell(row['without'])} | {cell(row['with'])} |" for model, row in lever["scaling"].items()]
+    r = lever["allreduce"]
+    md += ["", "hvd.allreduce (MPI controller), bus bandwidth GB/s and its ratio to mpi4py's Allreduce:", "",
+           "| size | GB/s without | GB/s with | with / without | hvd / mpi4py without | hvd / mpi4py with |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for i, size in enumerate(r["sizes"]):
+        without, with_ = r["horovod"]["without"][i], r["horovod"]["with"][i]
+        md.append(f"| {_size(size)} | {cell(without, 3)} | {cell(with_, 3)} | "
+                  f"{cell([w / wo for w, wo in zip(with_, without)])} | {cell(r['horovod_over_mpi4py']['without'][i])} | "
+                  f"{cell(r['horovod_over_mpi4py']['with'][i])} |")
+    return md
 
 
 def _size(n):

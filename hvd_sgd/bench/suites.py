@@ -9,10 +9,13 @@ import sys
 from hvd_sgd import launchers
 from hvd_sgd.bench import contenders
 
-SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "stacks", "network", "project")
-# stacks: needs the current stack set up too; network: root and a virtual cluster (run/cluster);
-# project: network's results.
-DEFAULT_SUITES = SUITES[:-3]
+SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "lever", "stacks", "network", "project")
+# lever: without and with one environment variable; stacks: needs the current stack set up too;
+# network: root and a virtual cluster (run/cluster); project: network's results.
+DEFAULT_SUITES = SUITES[:5]
+# The lever suite's, unless --lever names another: Open MPI's shared-memory transport then copies
+# messages through its shared segment instead of process to process (CMA), a lever left to the user.
+DEFAULT_LEVER = "OMPI_MCA_btl_vader_single_copy_mechanism=none"
 STACKS = ("default", "current")
 MODELS = ("softmax", "classic_cnn", "cnn")  # quick: the first two (the targets' models)
 # Each paired suite: hvd_sgd first, the contender it is measured against second (ratio = first / second).
@@ -32,8 +35,9 @@ class Plan:
     results_dir: str
     suites: tuple
     rounds: int
-    models: tuple  # the paired suites' (overhead, scaling, peer, stacks, network)
+    models: tuple  # the paired suites' (overhead, scaling, peer, lever, stacks, network)
     links: tuple = ()  # the network suite's, from network.LINKS
+    lever: str = DEFAULT_LEVER  # the lever suite's NAME=VALUE
 
     @property
     def allreduce_sizes(self):
@@ -72,6 +76,8 @@ def run(plan):
             results["suites"][suite] = project.run(measured, project.model_sizes(models))
         elif suite == "stacks":
             results["suites"][suite] = stacks(plan)
+        elif suite == "lever":
+            results["suites"][suite] = lever(plan)
         elif suite == "tta":
             results["suites"][suite] = {c: contenders.time_to_accuracy(c, plan.quick) for c in TTA_CONTENDERS}
         else:
@@ -105,6 +111,33 @@ def stacks(plan):
             for n, suite, name in ((1, "overhead", "hvd_sgd_np1"), (2, "scaling", "hvd_sgd_np2"))}
         print(f"   {model}: {json.dumps(rows[model]['current_over_default'])}", flush=True)
     return rows
+
+
+def lever(plan):
+    """The scaling suite and the MPI controller's all-reduce without and with the environment
+    variable ``plan.lever`` (NAME=VALUE), the two settings alternating round by round: what a lever
+    buys, side by side in one run. Every round's figure is kept; the report takes medians."""
+    name, value = plan.lever.split("=", 1)
+    settings = {"without": None, "with": value}
+    scaling = {setting: {model: [] for model in plan.models} for setting in settings}  # ratios, a round each
+    allreduce = {setting: [] for setting in settings}  # hvd.allreduce's GB/s and ratio to mpi4py by size, a round each
+    for _ in range(plan.rounds):
+        for setting, setting_value in settings.items():
+            with launchers.environment_variable(name, setting_value):
+                for model in plan.models:
+                    row = paired(PAIRS["scaling"], model, STEPS[model, plan.quick], 1)
+                    scaling[setting][model].append(row["ratio"])
+                run = contenders.allreduce_bandwidth("mpi", plan.allreduce_sizes, 1, plan.allreduce_blocks)
+                allreduce[setting].append(dict(horovod=run["horovod"], ratio=[r[0] for r in run["ratios"]]))
+        print(f"   scaling ratios: {json.dumps(scaling)}", flush=True)
+
+    def by_size(setting, key):  # each size's figures over the rounds
+        return [list(values) for values in zip(*(run[key] for run in allreduce[setting]))]
+    return dict(variable=name, value=value,
+                scaling={model: {setting: scaling[setting][model] for setting in settings} for model in plan.models},
+                allreduce=dict(sizes=plan.allreduce_sizes,
+                               horovod={setting: by_size(setting, "horovod") for setting in settings},
+                               horovod_over_mpi4py={setting: by_size(setting, "ratio") for setting in settings}))
 
 
 def paired(pair, model, steps, rounds):
