@@ -28,7 +28,8 @@ def main(argv=None):
                         help=f"the network suite's links, from {','.join(network.LINKS)}")
     parser.add_argument("--models",
                         help=f"comma-separated, from {','.join(suites.MODELS)}: the models the overhead, scaling, "
-                             f"peer, lever, stacks and network suites measure (default: all; with --quick the first two)")
+                             f"peer, lever, stacks and network suites measure (default: all; with --quick the "
+                             f"first two)")
     parser.add_argument("--lever", default=suites.DEFAULT_LEVER, metavar="NAME=VALUE",
                         help="the environment variable the lever suite sets in the rounds it runs with it "
                              "(Horovod's HOROVOD_*, Open MPI's OMPI_MCA_*, ...)")

@@ -173,9 +173,10 @@ def _lever_tables(lever):
            "| --- | --- | --- | --- | --- | --- |"]
     for i, size in enumerate(r["sizes"]):
         without, with_ = r["horovod"]["without"][i], r["horovod"]["with"][i]
+        to_mpi4py = r["horovod_over_mpi4py"]
         md.append(f"| {_size(size)} | {cell(without, 3)} | {cell(with_, 3)} | "
-                  f"{cell([w / wo for w, wo in zip(with_, without)])} | {cell(r['horovod_over_mpi4py']['without'][i])} | "
-                  f"{cell(r['horovod_over_mpi4py']['with'][i])} |")
+                  f"{cell([w / wo for w, wo in zip(with_, without)])} | {cell(to_mpi4py['without'][i])} | "
+                  f"{cell(to_mpi4py['with'][i])} |")
     return md
 
 
