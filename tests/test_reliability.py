@@ -3,6 +3,7 @@
 Each bad input must give one line naming the problem, from one rank; a non-zero exit on every
 rank; no hang; and no output left behind that looks valid."""
 import os
+import re
 import signal
 import subprocess
 import time
@@ -166,8 +167,14 @@ def frozen(process):
 
 
 def checkpoint_from_step(directory, step):
-    """Whether a checkpoint of ``step`` or later is there (older ones are rotated away, so wait for any)."""
-    return lambda: any(int(index.name[len("ckpt-"):-len(".index")]) >= step for index in directory.glob("ckpt-*.index"))
+    """Whether a checkpoint of ``step`` or later is recorded (older ones are rotated away, so wait for
+    any). Recorded: named in the directory's state file, which TensorFlow replaces after the
+    checkpoint's files are written and which --resume reads; a run killed between the two resumes
+    from the checkpoint before (CI once killed one there)."""
+    def recorded():
+        state = directory / "checkpoint"
+        return state.exists() and any(int(n) >= step for n in re.findall(r'ckpt-(\d+)"', state.read_text()))
+    return recorded
 
 
 @pytest.fixture(scope="module")
