@@ -95,6 +95,9 @@ class TrainConfig:
             raise JobError(f"--momentum must be in [0, 1), got {self.momentum}")
         if not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
             raise JobError(f"--warmup-epochs must be zero or more, got {self.warmup_epochs}")
+        if self.lr_decay == "cosine" and self.warmup_epochs >= self.epochs:
+            raise JobError(f"--warmup-epochs {self.warmup_epochs:g} leaves none of --epochs {self.epochs} for the "
+                           f"cosine decay: shorten the warm-up, or add --lr-decay none")
         if self.resume and not self.checkpoint_dir:
             raise JobError("--resume needs --checkpoint-dir")
         return self
@@ -155,11 +158,16 @@ def _data_dir(path):
         raise JobError(f"--data-dir {path}: no such directory or .npz file")
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written (a module docstring's launch commands stay one a line), and each
+    flag's default after its help."""
+
+
 class _Parser(argparse.ArgumentParser):
     """Raises JobError instead of printing usage and exiting; prints help only where asked to."""
 
     def __init__(self, speaks, **kwargs):
-        super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+        super().__init__(formatter_class=_HelpFormatter, **kwargs)
         self.speaks = speaks
 
     def error(self, message):
@@ -175,12 +183,13 @@ def _value_type(annotation):
     return next((t for t in typing.get_args(annotation) if t is not type(None)), annotation)
 
 
-def parse(config_class, argv=None, description=None, speaks=True):
+def parse(config_class, argv=None, description=None, speaks=True, prog=None):
     """Build ``config_class`` from ``argv`` (sys.argv when None) and validate it.
 
-    ``speaks`` is False on every rank but the first, so that ``--help`` prints once.
+    ``speaks`` is False on every rank but the first, so that ``--help`` prints once. ``prog``: the
+    command that the usage line names (argparse's own guess, under ``python -m``, is "train.py").
     """
-    parser = _Parser(speaks, description=description)
+    parser = _Parser(speaks, prog=prog, description=description)
     for field in dataclasses.fields(config_class):
         meta = field.metadata
         if field.type is bool:

@@ -24,6 +24,7 @@ def test_defaults_work_and_flags_are_typed():
     (["--lr", "nan"], "--lr must be a positive number"),
     (["--momentum", "1"], r"--momentum must be in \[0, 1\)"),
     (["--warmup-epochs", "-1"], "--warmup-epochs must be zero or more"),
+    (["--warmup-epochs", "2", "--epochs", "2"], "--warmup-epochs 2 leaves none of --epochs 2 for the cosine decay"),
     (["--threads-per-rank", "-1"], "--threads-per-rank must not be negative"),
     (["--backward-passes-per-step", "0"], "--backward-passes-per-step must be at least 1"),
     (["--resume"], "--resume needs --checkpoint-dir"),
@@ -62,3 +63,14 @@ def test_a_negated_flag_says_what_it_turns_off(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--no-lr-scaling turn off the linear scaling rule" in text
     assert "--no-bind-cpus turn off binding each rank" in text
+
+
+def test_help_names_the_command_and_keeps_the_descriptions_lines(capsys):
+    description = "Train.\n\n    mpirun -np 4 python -m hvd_sgd.train\n    python -m hvd_sgd.train\n"
+    with pytest.raises(SystemExit):
+        config.parse(config.TrainConfig, ["--help"], description, prog="python -m hvd_sgd.train")
+    text = capsys.readouterr().out
+    assert text.startswith("usage: python -m hvd_sgd.train [-h]")
+    assert "\n    mpirun -np 4 python -m hvd_sgd.train\n    python -m hvd_sgd.train\n" in text
+    assert "per rank per backward pass; the global batch is this x ranks x --backward-passes-per-step " \
+           "(default: 32)" in " ".join(text.split())  # each flag's help still ends with its default
