@@ -4,6 +4,7 @@ A model function takes the input shape (height, width, 1), pixels in [0, 1], and
 classes, and returns an uncompiled Keras model whose outputs are logits.
 """
 import importlib
+import traceback
 
 import tensorflow as tf
 
@@ -94,13 +95,47 @@ def smoothed_cross_entropy(label_smoothing):
 
 
 def build(model_fn, input_shape, num_classes, seed):
-    """The same initial weights on every rank for a given seed (rank 0's are broadcast anyway)."""
+    """The same initial weights on every rank for a given seed (rank 0's are broadcast anyway).
+
+    A model function that fails, or whose model does not map a batch of ``input_shape`` images to
+    ``num_classes`` logits each, is a JobError naming it: one line, before training starts (a
+    model of too few outputs would otherwise train on labels it cannot represent)."""
+    name = getattr(model_fn, "__qualname__", model_fn)
     tf.keras.utils.set_random_seed(seed)
-    model = model_fn(tuple(input_shape), num_classes)
+    try:
+        model = model_fn(tuple(input_shape), num_classes)
+    except Exception as e:
+        raise JobError(f"--model: {name} raised {_described(e, model_fn)}") from None
     if not isinstance(model, tf.keras.Model):
-        name = getattr(model_fn, "__qualname__", model_fn)
         raise JobError(f"--model: {name} returned {type(model).__name__}, not a Keras model")
+    try:
+        outputs = model(tf.zeros((1, *input_shape)), training=False)
+    except Exception as e:
+        raise JobError(f"--model: {name}'s model cannot take images of shape {tuple(input_shape)}: "
+                       f"{_described(e, model_fn)}") from None
+    if tuple(outputs.shape) != (1, num_classes):
+        raise JobError(f"--model: {name}'s model gives an output of shape {tuple(outputs.shape)[1:]} for an image, "
+                       f"not {num_classes} logits")
     return model
+
+
+def _described(error, model_fn):
+    """``Type: its first line``, and the innermost line of the model function's file that the
+    error passed through (the user's code, not Keras')."""
+    source = getattr(getattr(model_fn, "__code__", None), "co_filename", None)
+    own = [frame for frame in traceback.extract_tb(error.__traceback__) if frame.filename == source]
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line}" + (f" ({source}, line {own[-1].lineno})" if own else "")
+
+
+def check_exportable(model, path):
+    """``export`` writes a file that Keras rebuilds from the model's config alone, which it can for
+    a Sequential or functional model but not for a subclassed one (it needs the class's code):
+    refused before training, not after it."""
+    if not any(cls.__name__ in ("Sequential", "Functional") for cls in type(model).__mro__):
+        raise JobError(f"--save-model {path}: {type(model).__name__} is a subclassed Keras model, which plain "
+                       f"TensorFlow cannot load without its code: build it as a Sequential or functional model, "
+                       f"or keep its weights with --checkpoint-dir")
 
 
 def export(model, path):

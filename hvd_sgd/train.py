@@ -80,6 +80,8 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     #    average): its gradients are the average over all ranks (and over the backward passes of a
     #    step: it all-reduces once, after the last).
     model = models.build(model_fn, (*splits.image_shape, 1), datasets.NUM_CLASSES, cfg.seed)
+    if cfg.save_model:
+        models.check_exportable(model, cfg.save_model)
     optimizer = distributed.DistributedOptimizer(
         tf.keras.optimizers.SGD(lr, momentum=cfg.momentum, nesterov=cfg.nesterov),
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,

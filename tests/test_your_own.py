@@ -1,11 +1,13 @@
 """Your own model and data: the API (examples/custom_model.py), --model module:function, --data-dir x.npz."""
+import re
 import subprocess
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from conftest import PYTHON, ROOT, error_lines, launch, read_json, reported_accuracy, succeeded
-from hvd_sgd import datasets, launchers
+from hvd_sgd import JobError, datasets, launchers
 
 
 def test_the_example_trains_its_own_model_through_the_api():
@@ -39,3 +41,37 @@ def test_a_bad_model_spec_is_one_line_naming_what_failed(spec, message):
     assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
     [line] = error_lines(result)
     assert message in line, line
+
+
+def test_a_subclassed_model_trains_and_save_model_refuses_it_before_training(tmp_path):
+    """Its weights exist once hvd_sgd has called it on a batch, so they are broadcast and trained."""
+    spec, run = "examples.custom_model:small_cnn_subclassed", ["--max-steps", 40, "--train-examples", 2048]
+    assert reported_accuracy(succeeded(launch("mpirun", 2, "--model", spec, *run))) > 0.6
+    refused = launch("mpirun", 2, "--model", spec, *run, "--save-model", tmp_path / "m.keras", timeout=120)
+    [line] = error_lines(refused)
+    assert "--save-model" in line and "SmallCNN is a subclassed Keras model" in line, line
+    assert "Traceback" not in refused.stderr and "step " not in refused.stdout  # nothing trained, nothing lost
+
+
+def raises(input_shape, num_classes):
+    raise ValueError("a bug in the user's code")
+
+
+def five_outputs(input_shape, num_classes):
+    return tf.keras.Sequential([tf.keras.Input(input_shape), tf.keras.layers.Flatten(), tf.keras.layers.Dense(5)])
+
+
+def flat_input(input_shape, num_classes):
+    return tf.keras.Sequential([tf.keras.Input((784,)), tf.keras.layers.Dense(num_classes)])
+
+
+@pytest.mark.parametrize("model_fn,message", [
+    (raises, rf"--model: raises raised ValueError: a bug in the user's code \({__file__}, line \d+\)$"),
+    (five_outputs, r"--model: five_outputs's model gives an output of shape \(5,\) for an image, not 10 logits$"),
+    (flat_input, r"--model: flat_input's model cannot take images of shape \(28, 28, 1\): ValueError: .*784"),
+])
+def test_a_model_that_breaks_the_contract_is_one_line_naming_it(model_fn, message):
+    from hvd_sgd import models
+    with pytest.raises(JobError) as error:
+        models.build(model_fn, (28, 28, 1), 10, seed=1)
+    assert re.match(message, str(error.value)) and "\n" not in str(error.value), str(error.value)
