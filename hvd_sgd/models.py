@@ -4,6 +4,7 @@ A model function takes the input shape (height, width, 1), pixels in [0, 1], and
 classes, and returns an uncompiled Keras model whose outputs are logits.
 """
 import importlib
+import re
 import traceback
 
 import tensorflow as tf
@@ -108,6 +109,11 @@ def build(model_fn, input_shape, num_classes, seed):
         raise JobError(f"--model: {name} raised {_described(e, model_fn)}") from None
     if not isinstance(model, tf.keras.Model):
         raise JobError(f"--model: {name} returned {type(model).__name__}, not a Keras model")
+    declared = getattr(model, "inputs", None)  # a Sequential or functional model's; a subclass has none yet
+    if declared and not (len(declared) == 1 and _fits(tuple(declared[0].shape)[1:], tuple(input_shape))):
+        shapes = ", ".join(str(tuple(x.shape)[1:]) for x in declared)
+        raise JobError(f"--model: {name}'s model takes inputs of shape {shapes}, not images of shape "
+                       f"{tuple(input_shape)}")
     try:
         outputs = model(tf.zeros((1, *input_shape)), training=False)
     except Exception as e:
@@ -119,13 +125,21 @@ def build(model_fn, input_shape, num_classes, seed):
     return model
 
 
+def _fits(declared, shape):
+    return len(declared) == len(shape) and all(d is None or d == n for d, n in zip(declared, shape))
+
+
 def _described(error, model_fn):
     """``Type: its first line``, and the innermost line of the model function's file that the
-    error passed through (the user's code, not Keras')."""
+    error passed through (the user's code, not Keras'). Keras wraps an error in a layer's call in
+    "Exception encountered when calling …" (which says only where) and, Keras 3, in bold."""
     source = getattr(getattr(model_fn, "__code__", None), "co_filename", None)
     own = [frame for frame in traceback.extract_tb(error.__traceback__) if frame.filename == source]
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first_line}" + (f" ({source}, line {own[-1].lineno})" if own else "")
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()
+             if line.strip() and not line.strip().startswith("Exception encountered when calling")]
+    first = (lines or [""])[0]
+    first = first if len(first) <= 200 else first[:199] + "…"
+    return f"{type(error).__name__}: {first}" + (f" ({source}, line {own[-1].lineno})" if own else "")
 
 
 def check_exportable(model, path):

@@ -43,6 +43,7 @@ def test_a_bad_model_spec_is_one_line_naming_what_failed(spec, message):
     assert message in line, line
 
 
+@pytest.mark.both_stacks  # Keras 3 builds, wraps errors and names classes otherwise
 def test_a_subclassed_model_trains_and_save_model_refuses_it_before_training(tmp_path):
     """Its weights exist once hvd_sgd has called it on a batch, so they are broadcast and trained."""
     spec, run = "examples.custom_model:small_cnn_subclassed", ["--max-steps", 40, "--train-examples", 2048]
@@ -65,10 +66,26 @@ def flat_input(input_shape, num_classes):
     return tf.keras.Sequential([tf.keras.Input((784,)), tf.keras.layers.Dense(num_classes)])
 
 
+class ReshapesTo783(tf.keras.Model):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.logits = tf.keras.layers.Dense(num_classes)
+
+    def call(self, images):
+        return self.logits(tf.reshape(images, [-1, 783]))
+
+
+def reshapes_to_783(input_shape, num_classes):
+    return ReshapesTo783(num_classes)
+
+
+@pytest.mark.both_stacks  # Keras 3 builds, wraps errors and names classes otherwise
 @pytest.mark.parametrize("model_fn,message", [
     (raises, rf"--model: raises raised ValueError: a bug in the user's code \({__file__}, line \d+\)$"),
     (five_outputs, r"--model: five_outputs's model gives an output of shape \(5,\) for an image, not 10 logits$"),
-    (flat_input, r"--model: flat_input's model cannot take images of shape \(28, 28, 1\): ValueError: .*784"),
+    (flat_input, r"--model: flat_input's model takes inputs of shape \(784,\), not images of shape \(28, 28, 1\)$"),
+    (reshapes_to_783, r"--model: reshapes_to_783's model cannot take images of shape \(28, 28, 1\): "
+                      rf"InvalidArgumentError: .*783.* \({__file__}, line \d+\)$"),
 ])
 def test_a_model_that_breaks_the_contract_is_one_line_naming_it(model_fn, message):
     from hvd_sgd import models
