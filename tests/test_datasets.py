@@ -26,7 +26,7 @@ def test_installed_datasets_have_the_canonical_sizes():
     for name in ("mnist", "fashion_mnist"):
         d = datasets.load(name)
         assert (d.x_train.shape, d.x_test.shape) == ((60000, 28, 28), (10000, 28, 28))
-        assert d.x_train.dtype == np.uint8 and set(np.unique(d.y_train)) == set(range(10))
+        assert d.x_train.dtype == np.uint8 and set(np.unique(d.y_train)) == set(range(10)) and d.num_classes == 10
     mnist = datasets.load("mnist")
     assert list(mnist.y_train[:5]) == [5, 0, 4, 1, 9] and list(mnist.y_test[:3]) == [7, 2, 1]
 
@@ -42,7 +42,6 @@ IMAGES = "train-images-idx3-ubyte.gz"
     (lambda d: write_idx(d / IMAGES, np.zeros((12, 4, 4)), cut=7), "truncated: "),
     (lambda d: write_idx(d / IMAGES, np.zeros((12, 4, 4)), extra=b"xx"), "has trailing bytes"),
     (lambda d: write_idx(d / LABELS, np.zeros(11)), "12 images but 11 labels"),
-    (lambda d: write_idx(d / LABELS, np.full(12, 10)), "label 10 is out of range"),
     (lambda d: (d / LABELS).unlink(), "missing train-labels-idx1-ubyte"),
     (lambda d: write_idx(d / "t10k-images-idx3-ubyte.gz", np.zeros((5, 5, 5))), "train images are"),
     (lambda d: (d / IMAGES).write_bytes(gzip.compress(b"\0\0\x08\x03" + b"\0" * 100)[:-12]), "cannot read"),
@@ -54,6 +53,17 @@ def test_bad_idx_files_name_the_file_and_the_problem(tmp_path, damage, expected)
     with pytest.raises(JobError, match=expected) as error:
         datasets.read_idx_dir(str(tmp_path), "custom")
     assert "\n" not in str(error.value) and str(tmp_path) in str(error.value)
+
+
+def test_the_classes_are_the_largest_label_plus_one_and_a_subset_keeps_them():
+    arrays = random_arrays()
+    arrays["y_train"][:], arrays["y_test"][:] = 3, 1
+    arrays["y_test"][-1] = 11
+    splits = datasets.Splits("x", **arrays)
+    assert splits.num_classes == 12 and splits.subset(test_examples=2).num_classes == 12
+    assert datasets.Splits("x", **arrays, num_classes=20).num_classes == 20
+    with pytest.raises(JobError, match="num_classes=11, but a label is 11"):
+        datasets.Splits("x", **arrays, num_classes=11)
 
 
 def test_the_mnist_pickle_is_not_unpickled_unless_its_hash_matches():
@@ -86,8 +96,8 @@ def npz_with(**changes):
     (npz_with(x_train=np.zeros((12, 4, 4), np.float32)), "x_train must be uint8 images"),
     (npz_with(x_test=np.zeros((5, 16), np.uint8)), "x_test must be uint8 images"),
     (npz_with(y_train=np.zeros(12, np.float32)), "y_train must be integer labels"),
-    (npz_with(y_train=np.full(12, -1)), "train label -1 is out of range"),
-    (npz_with(y_test=np.full(5, 10)), "test label 10 is out of range"),
+    (npz_with(y_train=np.full(12, -1)), "train label -1 is negative"),
+    (npz_with(y_test=np.full(5, 256)), r"test label 256 is out of range 0\.\.255"),
     (npz_with(y_train=np.zeros(11, np.uint8)), "12 images but 11 labels"),
     (npz_with(x_test=np.zeros((5, 5, 5), np.uint8)), "train images are"),
     (npz_with(y_train=np.array([object()] * 12)), "cannot read as .npz"),  # a pickle: refused

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from conftest import (PYTHON, ROOT, assert_same_weights, error_lines, launch, output_lines, rank_exits, read_json,
-                      saved_weights, succeeded, write_dataset, write_idx)
+                      random_arrays, saved_weights, succeeded, write_dataset, write_idx)
 from hvd_sgd import launchers
 
 
@@ -56,6 +56,14 @@ def damaged_idx(file, array, **damage):
     return lambda tmp_path: idx_dir(tmp_path, lambda d: write_idx(d / file, array, **damage))
 
 
+def npz_file(**arrays):
+    """An .npz dataset of MNIST's shape, with the given arrays instead of its own."""
+    def data_dir(tmp_path):
+        np.savez(tmp_path / "data.npz", **{**random_arrays(256, 64, (28, 28)), **arrays})
+        return ["--data-dir", tmp_path / "data.npz"]
+    return data_dir
+
+
 def flags(*args):
     return lambda tmp_path: list(args)
 
@@ -67,7 +75,7 @@ BAD_INPUT = {
     "truncated IDX file": (damaged_idx(IMAGES, np.zeros((256, 4, 4)), cut=100), "truncated"),
     "wrong IDX magic": (damaged_idx(IMAGES, np.zeros((256, 4, 4)), magic=b"PK\3\4"), "bad magic number"),
     "image/label count mismatch": (damaged_idx(LABELS, np.zeros(255)), "256 images but 255 labels"),
-    "label out of range": (damaged_idx(LABELS, np.full(256, 12)), "label 12 is out of range"),
+    "negative label": (npz_file(y_train=np.full(256, -1)), "train label -1 is negative"),
     "batch size 0": (flags("--batch-size", 0), "--batch-size must be at least 1"),
     "batch larger than a shard": (flags("--train-examples", 256, "--batch-size", 200), "larger than a rank's shard"),
     "more ranks than examples": (flags("--train-examples", 1), "2 ranks but only 1 training examples"),

@@ -31,6 +31,22 @@ def test_a_users_model_and_npz_data_from_the_command_line(tmp_path):
     assert read_json(metrics)["steps"] == 2 * (4096 // 64)
 
 
+def test_a_users_data_sets_the_number_of_classes_in_both_programs(tmp_path):
+    """Labels up to 11 (9 moved to 11: none is 9 or 10) on 14 x 14 images: the model gets 12
+    outputs, and the TF1 program sizes its W and b from the data too."""
+    mnist = datasets.load("mnist")
+    relabel = lambda y: np.where(y == 9, 11, y)  # noqa: E731
+    np.savez(tmp_path / "twelve.npz", x_train=mnist.x_train[:2048, ::2, ::2], y_train=relabel(mnist.y_train[:2048]),
+             x_test=mnist.x_test[:1000, ::2, ::2], y_test=relabel(mnist.y_test[:1000]))
+    data = ["--data-dir", tmp_path / "twelve.npz"]
+    result = succeeded(launch("mpirun", 2, "--model", "softmax", *data, "--max-steps", 30,
+                              "--save-model", tmp_path / "m.keras"))
+    assert reported_accuracy(result) > 0.6
+    assert tf.keras.models.load_model(tmp_path / "m.keras").output_shape == (None, 12)
+    assert reported_accuracy(succeeded(launch("mpirun", 2, *data, "--steps", 30, "--lr", 0.5,
+                                              module="hvd_sgd.train_v1"))) > 0.6
+
+
 @pytest.mark.parametrize("spec,message", [
     ("no_such_package.models:build", "--model no_such_package.models:build: cannot import module 'no_such_package.models'"),
     ("examples.custom_model:no_such_function", "module 'examples.custom_model' has no function 'no_such_function'"),
