@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 import typing
 from typing import Optional
 
@@ -184,12 +185,14 @@ def _value_type(annotation):
     return next((t for t in typing.get_args(annotation) if t is not type(None)), annotation)
 
 
-def parse(config_class, argv=None, description=None, speaks=True, prog=None):
+def parse(config_class, argv=None, description=None, speaks=True, module=None):
     """Build ``config_class`` from ``argv`` (sys.argv when None) and validate it.
 
-    ``speaks`` is False on every rank but the first, so that ``--help`` prints once. ``prog``: the
-    command that the usage line names (argparse's own guess, under ``python -m``, is "train.py").
+    ``speaks`` is False on every rank but the first, so that ``--help`` prints once. ``module``: the
+    program's, which the usage line names as ``python -m module`` when Python ran a file (argparse
+    would name the file, "train.py"); a console script (hvd-sgd) keeps its own name.
     """
+    prog = f"python -m {module}" if module and sys.argv[0].endswith(".py") else None
     parser = _Parser(speaks, prog=prog, description=description)
     for field in dataclasses.fields(config_class):
         meta = field.metadata

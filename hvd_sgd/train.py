@@ -27,8 +27,7 @@ LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def main(argv=None):
-    cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=startup.launch_rank() == 0,
-                       prog="python -m hvd_sgd.train")
+    cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=startup.launch_rank() == 0, module="hvd_sgd.train")
     if not cfg.elastic:  # from now on a stop signal waits for fit's first check instead of ending the process
         preemption.listen(cfg.stall_timeout)
     world = startup.start(cfg.threads_per_rank, cfg.stall_timeout, cfg.bind_cpus)

@@ -23,7 +23,7 @@ tf1 = tf.compat.v1
 
 def main(argv=None):
     cfg = config.parse(config.TrainV1Config, argv, __doc__, speaks=startup.launch_rank() == 0,
-                       prog="python -m hvd_sgd.train_v1")
+                       module="hvd_sgd.train_v1")
     w = startup.start()
     import horovod.tensorflow as hvd
     tf.get_logger().setLevel("ERROR")  # this program is the deprecated API: no deprecation warnings

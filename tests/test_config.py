@@ -1,4 +1,6 @@
 """Unit tests: the command line becomes one validated, typed configuration."""
+import sys
+
 import pytest
 
 from hvd_sgd import JobError, config
@@ -65,12 +67,15 @@ def test_a_negated_flag_says_what_it_turns_off(capsys):
     assert "--no-bind-cpus turn off binding each rank" in text
 
 
-def test_help_names_the_command_and_keeps_the_descriptions_lines(capsys):
+@pytest.mark.parametrize("program,usage", [("/x/hvd_sgd/train.py", "python -m hvd_sgd.train"),
+                                           ("/x/bin/hvd-sgd", "hvd-sgd")])
+def test_help_names_the_command_and_keeps_the_descriptions_lines(capsys, monkeypatch, program, usage):
+    monkeypatch.setattr(sys, "argv", [program, "--help"])
     description = "Train.\n\n    mpirun -np 4 python -m hvd_sgd.train\n    python -m hvd_sgd.train\n"
     with pytest.raises(SystemExit):
-        config.parse(config.TrainConfig, ["--help"], description, prog="python -m hvd_sgd.train")
+        config.parse(config.TrainConfig, None, description, module="hvd_sgd.train")
     text = capsys.readouterr().out
-    assert text.startswith("usage: python -m hvd_sgd.train [-h]")
+    assert text.startswith(f"usage: {usage} [-h]")
     assert "\n    mpirun -np 4 python -m hvd_sgd.train\n    python -m hvd_sgd.train\n" in text
     assert "per rank per backward pass; the global batch is this x ranks x --backward-passes-per-step " \
            "(default: 32)" in " ".join(text.split())  # each flag's help still ends with its default
