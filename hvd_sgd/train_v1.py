@@ -38,8 +38,9 @@ def main(argv=None):
                 files.check_writable(files.parent(cfg.metrics_file), f"--metrics-file {cfg.metrics_file}")
             if cfg.checkpoint_dir:
                 checkpoint.lock_directory(cfg.checkpoint_dir, f"--checkpoint-dir {cfg.checkpoint_dir}")
-    images, labels = _flat(splits.x_train), _one_hot(splits.y_train, splits.num_classes)
-    pixels, classes = images.shape[1], splits.num_classes  # 784 and 10 for MNIST
+    classes = splits.num_classes  # 10 for MNIST
+    images, labels = _flat(splits.x_train), _one_hot(splits.y_train, classes)
+    pixels = images.shape[1]  # 784 for MNIST
 
     # The set-up above ran eagerly (Horovod's checks need it); the TF1 program builds a graph.
     with tf.Graph().as_default():
