@@ -1,5 +1,6 @@
 """hvd_sgd: data-parallel synchronous SGD for TensorFlow on MPI through Horovod."""
 import os
+import re
 
 # TensorFlow's C++ start-up chatter (oneDNN, CPU features) is printed once per rank;
 # keep warnings and errors only, unless the user asked for more.
@@ -27,3 +28,13 @@ def __getattr__(name):
 
 class JobError(Exception):
     """Ends the job with one line from one rank, never N tracebacks: bad input, divergence, ..."""
+
+
+def first_line(error, limit=200):
+    """An exception's message as one line of a one-line error: its first line that says something
+    (not Keras' "Exception encountered when calling …", which says only where, nor its terminal
+    colours), cut to ``limit`` characters (None: whole); the exception's type when it has none."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()]
+    lines = [line for line in lines if line and not line.startswith("Exception encountered when calling")]
+    line = lines[0] if lines else type(error).__name__
+    return line if limit is None or len(line) <= limit else line[:limit - 1] + "…"

@@ -13,7 +13,7 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError, files
+from hvd_sgd import JobError, files, first_line
 
 KEEP = 3
 LOCK_FILE = ".hvd_sgd.lock"
@@ -78,9 +78,9 @@ class Checkpoints:
                 self.log(f"Resuming from {path}")
                 return
             except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError, IndexError) as e:
-                self.log(f"Skipping damaged checkpoint {path}: {str(e).strip().splitlines()[0]}")
+                self.log(f"Skipping damaged checkpoint {path}: {first_line(e)}")
             except (ValueError, AssertionError, tf.errors.InvalidArgumentError) as e:
-                raise JobError(f"{path} does not fit this model: {str(e).splitlines()[0]}") from None
+                raise JobError(f"{path} does not fit this model: {first_line(e)}") from None
         raise JobError(f"--resume: no readable checkpoint in {self.directory}")
 
     def _path(self, step):

