@@ -85,6 +85,7 @@ class TrainConfig:
         _positive(self, "epochs", "batch_size", "log_every_steps", "backward_passes_per_step", "commit_every_steps")
         _not_negative(self, "threads_per_rank", "train_examples", "test_examples", "checkpoint_every_steps")
         _positive_number(self, "lr", "stall_timeout")
+        _seed(self.seed)
         _model_spec(self.model)
         _data_dir(self.data_dir)
         if self.max_steps is not None and self.max_steps < 1:
@@ -121,6 +122,7 @@ class TrainV1Config:
     def validate(self):
         _positive(self, "steps", "batch_size")
         _positive_number(self, "lr")
+        _seed(self.seed)
         _data_dir(self.data_dir)
         return self
 
@@ -146,6 +148,12 @@ def _positive_number(config, *names):
         value = getattr(config, name)
         if not (math.isfinite(value) and value > 0):
             raise JobError(f"{_flag(name)} must be a positive number, got {value}")
+
+
+def _seed(seed):
+    # NumPy's and TensorFlow's generators take a seed of 32 bits.
+    if not 0 <= seed < 2**32:
+        raise JobError(f"--seed must be in [0, 2**32), got {seed}")
 
 
 def _model_spec(spec):

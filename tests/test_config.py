@@ -29,6 +29,8 @@ def test_defaults_work_and_flags_are_typed():
     (["--warmup-epochs", "2", "--epochs", "2"], "--warmup-epochs 2 leaves none of --epochs 2 for the cosine decay"),
     (["--threads-per-rank", "-1"], "--threads-per-rank must not be negative"),
     (["--backward-passes-per-step", "0"], "--backward-passes-per-step must be at least 1"),
+    (["--seed", "-1"], r"--seed must be in \[0, 2\*\*32\), got -1"),
+    (["--seed", str(2**32)], r"--seed must be in \[0, 2\*\*32\)"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--model", "resnet"], "invalid choice: 'resnet'"),
     (["--model", "mymodels:"], "invalid choice: 'mymodels:'"),
@@ -43,6 +45,13 @@ def test_bad_values_are_one_line_errors(argv, message):
     with pytest.raises(JobError, match=message) as error:
         parse(*argv)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("argv,message", [(["--seed", "-1"], "--seed must be in"), (["--steps", "0"], "--steps must be at least 1"),
+                                          (["--lr", "-0.5"], "--lr must be a positive number")])
+def test_the_tf1_programs_bad_values_are_one_line_errors(argv, message):
+    with pytest.raises(JobError, match=message):
+        config.parse(config.TrainV1Config, argv)
 
 
 def test_help_explains_every_flag(capsys):
