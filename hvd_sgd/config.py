@@ -68,8 +68,8 @@ class TrainConfig:
     checkpoint_every_steps: int = option(0, "also write a checkpoint every N steps (0 = at epoch ends and the end)")
     resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir (rank 0 reads it, "
                                  "every rank receives it)")
-    save_model: Optional[str] = option(None, "write the final model here in Keras format (.keras), loadable by "
-                                             "plain TensorFlow")
+    save_model: Optional[str] = option(None, "write the final model to this .keras file (or .h5, Keras' legacy "
+                                             "format), loadable by plain TensorFlow")
     metrics_file: Optional[str] = option(None, "write a JSON summary of the run here (accuracy, throughput, ...)")
     log_dir: Optional[str] = option(None, "write TensorBoard logs here")
     log_every_steps: int = option(50, "average the loss over all ranks and report it every N steps")
@@ -101,6 +101,8 @@ class TrainConfig:
         if self.lr_decay == "cosine" and self.warmup_epochs >= self.epochs:
             raise JobError(f"--warmup-epochs {self.warmup_epochs:g} leaves none of --epochs {self.epochs} for the "
                            f"cosine decay: shorten the warm-up, or add --lr-decay none")
+        if self.save_model is not None and not self.save_model.endswith((".keras", ".h5")):
+            raise JobError(f"--save-model {self.save_model}: name a .keras file (or .h5, Keras' legacy format)")
         if self.resume and not self.checkpoint_dir:
             raise JobError("--resume needs --checkpoint-dir")
         return self

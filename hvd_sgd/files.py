@@ -1,6 +1,7 @@
 """The chief's output files: one writability check made before training, and atomic writes."""
 import json
 import os
+import tempfile
 
 from hvd_sgd import JobError
 
@@ -11,8 +12,10 @@ def check_writable(directory, what):
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
         raise JobError(f"{what}: cannot create {directory}: {e.strerror}") from None
-    if not os.access(directory, os.W_OK):
-        raise JobError(f"{what}: {directory} is not writable")
+    try:  # a file made and removed: os.access says yes to root wherever the mode bits do
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as e:
+        raise JobError(f"{what}: cannot write in {directory}: {e.strerror}") from None
 
 
 def parent(path):

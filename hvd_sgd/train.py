@@ -60,6 +60,8 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
             for flag, path in (("--save-model", cfg.save_model), ("--metrics-file", cfg.metrics_file)):
                 if path:
                     files.check_writable(files.parent(path), f"{flag} {path}")
+            if cfg.log_dir:
+                files.check_writable(cfg.log_dir, f"--log-dir {cfg.log_dir}")
         if cfg.elastic and distributed.KERAS_3:
             raise JobError("--elastic needs the default stack (Keras 2): Horovod 0.28.1's elastic state cannot "
                            "save or broadcast Keras 3 variables (README, \"Two stacks\")")

@@ -31,6 +31,7 @@ def test_defaults_work_and_flags_are_typed():
     (["--backward-passes-per-step", "0"], "--backward-passes-per-step must be at least 1"),
     (["--seed", "-1"], r"--seed must be in \[0, 2\*\*32\), got -1"),
     (["--seed", str(2**32)], r"--seed must be in \[0, 2\*\*32\)"),
+    (["--save-model", "out"], r"--save-model out: name a .keras file \(or .h5"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--model", "resnet"], "invalid choice: 'resnet'"),
     (["--model", "mymodels:"], "invalid choice: 'mymodels:'"),

@@ -88,6 +88,7 @@ BAD_INPUT = {
                                     "rank 0: --checkpoint-dir /proc/hvd_sgd: cannot create"),
     "model path not writable": (flags("--save-model", "/proc/hvd_sgd/m.keras"),
                                 "rank 0: --save-model /proc/hvd_sgd/m.keras: cannot create"),
+    "log dir a file": (lambda t: (t / "logs").touch() or ["--log-dir", t / "logs"], "/logs: cannot create"),
 }
 
 
