@@ -38,7 +38,8 @@ def small_cnn_subclassed(input_shape, num_classes):
 
 
 def my_data():
-    """Your arrays: uint8 images [n, height, width] and integer labels [n]. Here, part of MNIST."""
+    """Your arrays: uint8 images [n, height, width] (or [n, height, width, channels]) and integer
+    labels [n]. Here, part of MNIST."""
     mnist = hvd_sgd.datasets.load("mnist")
     return hvd_sgd.Splits("my-digits", x_train=mnist.x_train[:8000], y_train=mnist.y_train[:8000],
                           x_test=mnist.x_test[:2000], y_test=mnist.y_test[:2000])

@@ -83,8 +83,10 @@ def test_batches(splits, batch_size=1000):
 
 
 def to_model_input(images):
-    """uint8 [..., h, w] -> float32 [..., h, w, 1] in [0, 1]: what every model takes."""
-    return tf.cast(images, tf.float32)[..., None] / 255.0
+    """A batch of uint8 images, [b, h, w] (grayscale) or [b, h, w, c] -> float32 [b, h, w, c] in
+    [0, 1]: what every model takes."""
+    images = tf.cast(images, tf.float32) / 255.0
+    return images[..., None] if images.shape.rank == 3 else images
 
 
 def _without_autotuner(pipeline):

@@ -6,7 +6,7 @@
   uint8 arrays;
 - Fashion-MNIST from Debian's ``dataset-fashion-mnist`` (IDX files);
 - ``--data-dir``: a directory of standard IDX files, or one ``.npz`` with ``x_train, y_train,
-  x_test, y_test``, validated field by field.
+  x_test, y_test``, validated field by field (its images may have colour channels, last).
 
 The data directory belongs to the installation, like the virtual environment, so every user and
 every node of a shared installation reads the same files: ``<venv>/share/hvd_sgd`` unless
@@ -50,8 +50,8 @@ INSTALL_HINT = "run run/setup (or python -m hvd_sgd.datasets)"
 
 @dataclasses.dataclass(frozen=True)
 class Splits:
-    """A dataset's train and test splits: images uint8 [n, height, width], labels uint8 [n] from 0
-    to ``num_classes`` - 1. ``num_classes`` defaults to the largest label of either split plus one,
+    """A dataset's train and test splits: images uint8 [n, height, width] (grayscale) or [n, height,
+    width, channels], labels uint8 [n] from 0 to ``num_classes`` - 1. ``num_classes`` defaults to the largest label of either split plus one,
     and a subset keeps it (a few examples may lack the last class)."""
     name: str
     x_train: np.ndarray
@@ -70,6 +70,11 @@ class Splits:
     @property
     def image_shape(self):
         return self.x_train.shape[1:]
+
+    @property
+    def input_shape(self):
+        """(height, width, channels): what a model takes; a grayscale image has one channel."""
+        return self.image_shape if len(self.image_shape) == 3 else (*self.image_shape, 1)
 
     def subset(self, train_examples=0, test_examples=0):
         """The first N examples of each split (0 = all of it)."""
@@ -201,7 +206,8 @@ def read_idx_dir(directory, name):
 
 
 def read_npz(path):
-    """``x_train, y_train, x_test, y_test`` from one .npz (no pickles): uint8 images [n, h, w], integer labels."""
+    """``x_train, y_train, x_test, y_test`` from one .npz (no pickles): uint8 images [n, h, w] or
+    [n, h, w, channels], integer labels."""
     try:
         with np.load(path, allow_pickle=False) as npz:
             missing = [key for key in IDX_FILES if key not in npz.files]
@@ -212,9 +218,13 @@ def read_npz(path):
         raise JobError(f"{path}: cannot read as .npz: {first_line(e)}") from None
     for split in ("train", "test"):
         images, labels = arrays[f"x_{split}"], arrays[f"y_{split}"]
-        if images.dtype != np.uint8 or images.ndim != 3:
-            raise JobError(f"{path}: x_{split} must be uint8 images [n, height, width], "
-                           f"got {images.dtype} of shape {images.shape}")
+        if images.dtype != np.uint8 or images.ndim not in (3, 4):
+            raise JobError(f"{path}: x_{split} must be uint8 images [n, height, width] or [n, height, width, "
+                           f"channels], got {images.dtype} of shape {images.shape}")
+        if images.ndim == 4 and images.shape[1] in (1, 3, 4) and images.shape[3] not in (1, 3, 4):
+            # [n, 3, 32, 32] would train as 3x32 images of 32 channels: say so rather than train on it.
+            raise JobError(f"{path}: x_{split} of shape {images.shape} looks channels-first; hvd_sgd takes "
+                           f"channels last, [n, height, width, channels]: np.moveaxis(x, 1, -1)")
         if not np.issubdtype(labels.dtype, np.integer) or labels.ndim != 1:
             raise JobError(f"{path}: y_{split} must be integer labels [n], got {labels.dtype} of shape {labels.shape}")
         if len(labels) and labels.min() < 0:

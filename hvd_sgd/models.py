@@ -1,7 +1,7 @@
 """The models, users' own models, the loss they train with, and the export of a trained one.
 
-A model function takes the input shape (height, width, 1), pixels in [0, 1], and the number of
-classes, and returns an uncompiled Keras model whose outputs are logits.
+A model function takes the input shape (height, width, channels; 1 for grayscale), pixels in
+[0, 1], and the number of classes, and returns an uncompiled Keras model whose outputs are logits.
 """
 import importlib
 import traceback

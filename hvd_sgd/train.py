@@ -80,7 +80,7 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     # 4. Wrap SGD in hvd.DistributedOptimizer (hvd_sgd's own under Keras 3, where Horovod's does not
     #    average): its gradients are the average over all ranks (and over the backward passes of a
     #    step: it all-reduces once, after the last).
-    model = models.build(model_fn, (*splits.image_shape, 1), splits.num_classes, cfg.seed)
+    model = models.build(model_fn, splits.input_shape, splits.num_classes, cfg.seed)
     if cfg.save_model:
         models.check_exportable(model, cfg.save_model)
     optimizer = distributed.DistributedOptimizer(

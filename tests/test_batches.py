@@ -90,6 +90,12 @@ def test_a_compiled_step_takes_the_indexed_batches_in_order(tmp_path):
         step()
 
 
+def test_colour_images_keep_their_channels():
+    images = np.arange(2 * 4 * 3 * 3, dtype=np.uint8).reshape(2, 4, 3, 3)
+    np.testing.assert_allclose(batches.to_model_input(images).numpy(), images / 255, rtol=1e-6)
+    assert batches.to_model_input(images[..., 0]).shape == (2, 4, 3, 1)  # grayscale gets one channel
+
+
 def test_pipelines_yield_the_indexed_examples_and_run_without_the_autotuner(tmp_path):
     """Without tf.data's autotuner: its thread can hold up the iterator's deletion for seconds."""
     arrays = write_dataset(tmp_path)

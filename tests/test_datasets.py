@@ -83,6 +83,15 @@ def test_reads_an_npz_of_four_arrays(tmp_path):
     assert splits.name == "mine" and splits.image_shape == (5, 3)
     for key in datasets.IDX_FILES:
         np.testing.assert_array_equal(getattr(splits, key), arrays[key])
+    assert splits.input_shape == (5, 3, 1)  # grayscale: one channel
+
+
+def test_reads_colour_images_channels_last(tmp_path):
+    arrays = random_arrays(n_train=20, n_test=6, shape=(8, 6, 3))
+    np.savez(tmp_path / "rgb.npz", **arrays)
+    splits = datasets.read_npz(str(tmp_path / "rgb.npz"))
+    assert splits.image_shape == splits.input_shape == (8, 6, 3)
+    np.testing.assert_array_equal(splits.x_train, arrays["x_train"])
 
 
 def npz_with(**changes):
@@ -95,6 +104,7 @@ def npz_with(**changes):
     (npz_with(y_test=None), "missing array"),
     (npz_with(x_train=np.zeros((12, 4, 4), np.float32)), "x_train must be uint8 images"),
     (npz_with(x_test=np.zeros((5, 16), np.uint8)), "x_test must be uint8 images"),
+    (npz_with(x_train=np.zeros((12, 3, 8, 8), np.uint8)), r"looks channels-first.*np\.moveaxis\(x, 1, -1\)"),
     (npz_with(y_train=np.zeros(12, np.float32)), "y_train must be integer labels"),
     (npz_with(y_train=np.full(12, -1)), "train label -1 is negative"),
     (npz_with(y_test=np.full(5, 256)), r"test label 256 is out of range 0\.\.255"),

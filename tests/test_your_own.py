@@ -47,6 +47,27 @@ def test_a_users_data_sets_the_number_of_classes_in_both_programs(tmp_path):
                                               module="hvd_sgd.train_v1"))) > 0.6
 
 
+def test_colour_images_train_in_both_programs(tmp_path):
+    """Each 14 x 14 digit drawn in one of 3 colour channels, the class being that channel: only a
+    model that sees the channels apart can tell the classes, and both programs must."""
+    mnist, rng = datasets.load("mnist"), np.random.default_rng(0)
+
+    def coloured(images):
+        channel = rng.integers(0, 3, len(images))
+        rgb = np.zeros((*images[:, ::2, ::2].shape, 3), np.uint8)
+        rgb[np.arange(len(images)), ..., channel] = images[:, ::2, ::2]
+        return rgb, channel
+    (x_train, y_train), (x_test, y_test) = coloured(mnist.x_train[:2048]), coloured(mnist.x_test[:1000])
+    np.savez(tmp_path / "rgb.npz", x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+    data = ["--data-dir", tmp_path / "rgb.npz"]
+    result = succeeded(launch("mpirun", 2, "--model", "softmax", *data, "--max-steps", 30,
+                              "--save-model", tmp_path / "m.keras"))
+    assert reported_accuracy(result) > 0.9
+    assert tf.keras.models.load_model(tmp_path / "m.keras").input_shape == (None, 14, 14, 3)
+    assert reported_accuracy(succeeded(launch("python", 1, *data, "--steps", 30, "--lr", 0.5,
+                                              module="hvd_sgd.train_v1"))) > 0.9
+
+
 @pytest.mark.parametrize("spec,message", [
     ("no_such_package.models:build", "--model no_such_package.models:build: cannot import module 'no_such_package.models'"),
     ("examples.custom_model:no_such_function", "module 'examples.custom_model' has no function 'no_such_function'"),

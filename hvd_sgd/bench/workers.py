@@ -45,7 +45,7 @@ def _keras_setup(batch, steps, threads):
 
 
 def _compiled(model_name, splits):
-    model = models.build(models.BUILT_IN[model_name], (*splits.image_shape, 1), splits.num_classes, 1)
+    model = models.build(models.BUILT_IN[model_name], splits.input_shape, splits.num_classes, 1)
     model.compile(tf.keras.optimizers.SGD(0.01, momentum=0.9), LOSS)
     return model
 
@@ -85,7 +85,7 @@ def keras_recipe(train_examples, test_examples, epochs, threads):
     per_epoch = batches.steps_per_epoch(len(splits.x_train), cfg.batch_size, 1)
     indices = batches.rank_batch_indices(len(splits.x_train), cfg.batch_size, 1, 0, cfg.seed, 0, epochs * per_epoch,
                                          per_epoch)
-    model = models.build(models.BUILT_IN[cfg.model], (*splits.image_shape, 1), splits.num_classes, cfg.seed)
+    model = models.build(models.BUILT_IN[cfg.model], splits.input_shape, splits.num_classes, cfg.seed)
     lr = schedules.WarmupCosine(cfg.lr, 1, False, 0, epochs * per_epoch)
     model.compile(tf.keras.optimizers.SGD(lr, momentum=cfg.momentum, nesterov=cfg.nesterov),
                   models.smoothed_cross_entropy(cfg.label_smoothing), metrics=["accuracy"])
