@@ -50,9 +50,10 @@ INSTALL_HINT = "run run/setup (or python -m hvd_sgd.datasets)"
 
 @dataclasses.dataclass(frozen=True)
 class Splits:
-    """A dataset's train and test splits: images uint8 [n, height, width] (grayscale) or [n, height,
-    width, channels], labels uint8 [n] from 0 to ``num_classes`` - 1. ``num_classes`` defaults to the largest label of either split plus one,
-    and a subset keeps it (a few examples may lack the last class)."""
+    """A dataset's train and test splits: images uint8 [n, height, width] (grayscale) or [n,
+    height, width, channels], integer labels [n] from 0 to ``num_classes`` - 1 (at most 255).
+    ``num_classes`` defaults to the largest label of either split plus one, and a subset keeps it
+    (a few examples may lack the last class). Arrays that break these rules are a JobError."""
     name: str
     x_train: np.ndarray
     y_train: np.ndarray
@@ -61,7 +62,10 @@ class Splits:
     num_classes: Optional[int] = None
 
     def __post_init__(self):
-        largest = int(max(self.y_train.max(initial=0), self.y_test.max(initial=0)))
+        problem = _problem({key: getattr(self, key) for key in IDX_FILES})
+        if problem:
+            raise JobError(f"{self.name}: {problem}")
+        largest = int(max(self.y_train.max(), self.y_test.max()))
         if self.num_classes is None:
             object.__setattr__(self, "num_classes", largest + 1)
         elif self.num_classes <= largest:
@@ -216,36 +220,41 @@ def read_npz(path):
             arrays = {key: npz[key] for key in IDX_FILES}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
         raise JobError(f"{path}: cannot read as .npz: {first_line(e)}") from None
-    for split in ("train", "test"):
-        images, labels = arrays[f"x_{split}"], arrays[f"y_{split}"]
-        if images.dtype != np.uint8 or images.ndim not in (3, 4):
-            raise JobError(f"{path}: x_{split} must be uint8 images [n, height, width] or [n, height, width, "
-                           f"channels], got {images.dtype} of shape {images.shape}")
-        if images.ndim == 4 and images.shape[1] in (1, 3, 4) and images.shape[3] not in (1, 3, 4):
-            # [n, 3, 32, 32] would train as 3x32 images of 32 channels: say so rather than train on it.
-            raise JobError(f"{path}: x_{split} of shape {images.shape} looks channels-first; hvd_sgd takes "
-                           f"channels last, [n, height, width, channels]: np.moveaxis(x, 1, -1)")
-        if not np.issubdtype(labels.dtype, np.integer) or labels.ndim != 1:
-            raise JobError(f"{path}: y_{split} must be integer labels [n], got {labels.dtype} of shape {labels.shape}")
-        if len(labels) and labels.min() < 0:
-            raise JobError(f"{path}: {split} label {labels.min()} is negative")
     return _checked(path, os.path.splitext(os.path.basename(path))[0], arrays)
 
 
 def _checked(source, name, arrays):
-    """The checks every source passes: counts agree, nothing empty, labels fit a byte, one image shape."""
+    """A file's arrays as Splits (labels as bytes); what is wrong with them names the file."""
+    problem = _problem(arrays)
+    if problem:
+        raise JobError(f"{source}: {problem}")
+    return Splits(name, **{k: arrays[k] if k.startswith("x") else arrays[k].astype(np.uint8) for k in IDX_FILES})
+
+
+def _problem(arrays):
+    """What makes ``x_train, y_train, x_test, y_test`` unfit to train on, or None."""
     for split in ("train", "test"):
         images, labels = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if images.dtype != np.uint8 or images.ndim not in (3, 4):
+            return (f"x_{split} must be uint8 images (pixels 0 to 255) [n, height, width] or [n, height, width, "
+                    f"channels], got {images.dtype} of shape {images.shape}")
+        if images.ndim == 4 and images.shape[1] in (1, 3, 4) and images.shape[3] not in (1, 3, 4):
+            # [n, 3, 32, 32] would train as 3x32 images of 32 channels: say so rather than train on it.
+            return (f"x_{split} of shape {images.shape} looks channels-first; hvd_sgd takes channels last, "
+                    f"[n, height, width, channels]: np.moveaxis(x, 1, -1)")
+        if not np.issubdtype(labels.dtype, np.integer) or labels.ndim != 1:
+            return f"y_{split} must be integer labels [n], got {labels.dtype} of shape {labels.shape}"
         if len(images) != len(labels):
-            raise JobError(f"{source}: {split} set has {len(images)} images but {len(labels)} labels")
+            return f"{split} set has {len(images)} images but {len(labels)} labels"
         if len(images) == 0:
-            raise JobError(f"{source}: {split} set is empty")
+            return f"{split} set is empty"
+        if labels.min() < 0:
+            return f"{split} label {labels.min()} is negative"
         if labels.max() >= MAX_CLASSES:
-            raise JobError(f"{source}: {split} label {labels.max()} is out of range 0..{MAX_CLASSES - 1}")
+            return f"{split} label {labels.max()} is out of range 0..{MAX_CLASSES - 1}"
     if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
-        raise JobError(f"{source}: train images are {arrays['x_train'].shape[1:]}, "
-                       f"test images {arrays['x_test'].shape[1:]}")
-    return Splits(name, **{k: arrays[k] if k.startswith("x") else arrays[k].astype(np.uint8) for k in IDX_FILES})
+        return f"train images are {arrays['x_train'].shape[1:]}, test images {arrays['x_test'].shape[1:]}"
+    return None
 
 
 def main(argv=None):

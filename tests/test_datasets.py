@@ -66,6 +66,15 @@ def test_the_classes_are_the_largest_label_plus_one_and_a_subset_keeps_them():
         datasets.Splits("x", **arrays, num_classes=11)
 
 
+def test_the_apis_splits_follow_the_files_rules():
+    """hvd_sgd.fit's data: pixels scaled to [0, 1] as floats would train on near-black images."""
+    arrays = random_arrays()
+    with pytest.raises(JobError, match=r"^mine: x_train must be uint8 images \(pixels 0 to 255\)"):
+        datasets.Splits("mine", **dict(arrays, x_train=arrays["x_train"] / 255))
+    with pytest.raises(JobError, match="^mine: test label -1 is negative"):
+        datasets.Splits("mine", **dict(arrays, y_test=np.full(len(arrays["y_test"]), -1)))
+
+
 def test_the_mnist_pickle_is_not_unpickled_unless_its_hash_matches():
     import pickle
     evil = pickle.dumps(("not", "mnist"))
