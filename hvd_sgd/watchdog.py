@@ -12,6 +12,7 @@ for that rank too. So each rank runs a thread that
   does), and exits the process with status 1, which makes the launcher end the job.
 """
 import atexit
+import glob
 import os
 import secrets
 import shutil
@@ -22,6 +23,7 @@ import threading
 import time
 
 BEAT_SECONDS = 1.0
+STALE_SECONDS = 24 * 3600  # a live job's heartbeat directory changes every second
 
 
 def heartbeat_root():
@@ -40,6 +42,17 @@ def heartbeat_root():
     return tempfile.gettempdir()
 
 
+def remove_stale_heartbeats(root):
+    """The heartbeat directories in ``root`` that have not changed for STALE_SECONDS: jobs that
+    ended without removing theirs (a killed rank, a watchdog's own exit)."""
+    for path in glob.glob(os.path.join(root, "hvd_sgd-heartbeat-*")):
+        try:
+            if time.time() - os.path.getmtime(path) > STALE_SECONDS:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass  # another job's rank 0 removed it first
+
+
 class Watchdog:
     def __init__(self, world, timeout):
         """``timeout`` None: a watchdog that watches nothing (elastic mode handles lost workers)."""
@@ -53,6 +66,8 @@ class Watchdog:
         if self.timeout is not None:
             import horovod.tensorflow as hvd  # loaded by now: startup.start checked it
             job = hvd.broadcast_object(secrets.token_hex(8) if self.rank == 0 else None, root_rank=0)
+            if self.rank == 0:  # one rank sweeps up after killed jobs (their atexit never ran)
+                remove_stale_heartbeats(heartbeat_root())
             self.directory = os.path.join(heartbeat_root(), f"hvd_sgd-heartbeat-{job}")
             os.makedirs(self.directory, exist_ok=True)
             atexit.register(shutil.rmtree, self.directory, ignore_errors=True)
@@ -64,10 +79,16 @@ class Watchdog:
         self.step, self.last_progress = self.step if step is None else step, time.monotonic()
 
     def _run(self):
+        woke = time.monotonic()
         while True:
             time.sleep(BEAT_SECONDS)
+            slept, woke = time.monotonic() - woke, time.monotonic()
+            if slept > 3 * BEAT_SECONDS:
+                # This process was stopped itself (a suspended job: scontrol suspend, gang
+                # scheduling) or starved of CPU: no other rank's fault. The clock starts again.
+                self.last_progress = woke
             self._beat()
-            if time.monotonic() - self.last_progress > self.timeout:
+            if woke - self.last_progress > self.timeout:
                 self._fire()
 
     def _beat(self):
