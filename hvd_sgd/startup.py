@@ -167,12 +167,15 @@ def _bind_to_cpu_share(bind):
     threads on one core (docs/benchmarks.md, "What was tuned"). A container limited to fewer CPUs
     than the host looks bound too: its ranks are not rebound. (Comparing the ranks' masks would
     tell, but no collective can run here: TensorFlow's thread counts must be set before its first op.)
+    Under Gloo (horovodrun --gloo, elastic runs) a rank stays unbound: every all-reduce passes
+    through Gloo's TCP thread, which on the rank's one core waits behind the compute (softmax
+    trains 2.5-4x faster unbound, the CNN 1.15x: docs/benchmarks.md, "Gloo").
     """
     cpus = os.sched_getaffinity(0)
     if len(cpus) < (os.cpu_count() or len(cpus)):
         return len(cpus)  # bound by the launcher
     own = launchers.cpu_slice(hvd.local_rank(), hvd.local_size())
-    if bind and hvd.local_size() > 1 and own:
+    if bind and hvd.local_size() > 1 and own and not hvd.gloo_enabled():
         for thread in os.listdir("/proc/self/task"):
             with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
                 os.sched_setaffinity(int(thread), own)
