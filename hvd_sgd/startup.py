@@ -168,8 +168,8 @@ def _bind_to_cpu_share(bind):
     than the host looks bound too: its ranks are not rebound. (Comparing the ranks' masks would
     tell, but no collective can run here: TensorFlow's thread counts must be set before its first op.)
     Under Gloo (horovodrun --gloo, elastic runs) a rank stays unbound: every all-reduce passes
-    through Gloo's TCP thread, which on the rank's one core waits behind the compute (softmax
-    trains 2.5-4x faster unbound, the CNN 1.15x: docs/benchmarks.md, "Gloo").
+    through Gloo's TCP thread, which on the rank's one core waits behind the compute
+    (docs/benchmarks.md, "Gloo").
     """
     cpus = os.sched_getaffinity(0)
     if len(cpus) < (os.cpu_count() or len(cpus)):
