@@ -101,9 +101,10 @@ def test_every_launcher_runs_two_ranks_on_each_node(cluster, shared, launcher, o
                   for r in placement.values()) == [("node1", 0, 2, 0, 2), ("node1", 1, 2, 0, 2),
                                                    ("node2", 0, 2, 1, 2), ("node2", 1, 2, 1, 2)]
     assert placement[0]["host"] == "node1"  # rank 0, the chief, where the launcher runs
-    for host in ("node1", "node2"):  # each node's two ranks on disjoint cores of that node
+    for host in ("node1", "node2"):  # each node's two ranks on disjoint cores, but under Gloo (unbound)
         a, b = [r["cpus"] for r in placement.values() if r["host"] == host]
-        assert set(a).isdisjoint(b), placement
+        assert set(a).isdisjoint(b) if launcher != "horovodrun-gloo" else a == b == sorted(os.sched_getaffinity(0)), \
+            placement
     assert_same_weights(saved_weights(model), one_rank_with_four_times_the_batch, rtol=1e-4, atol=1e-5)
 
 
@@ -194,7 +195,7 @@ def test_a_checkpoint_directory_in_use_on_one_node_is_refused_on_the_other(clust
 
 # 384 steps: node2 is back on 4 ranks after about 40 of them (measured on the fast type with 640:
 # 4 ranks at 12 s, 2 at 17 s, 4 again at 22.5 s); the 4 ranks then take some 8 s for the rest.
-ELASTIC_EPOCHS = 6
+ELASTIC_EPOCHS = 20
 ELASTIC = ["--model", "mlp", "--train-examples", 8192, "--test-examples", 1000, "--batch-size", 32, "--epochs",
            ELASTIC_EPOCHS, "--threads-per-rank", 1, "--log-every-steps", 20, "--elastic"]
 
