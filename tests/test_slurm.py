@@ -61,7 +61,8 @@ def wait_for_job(env, job_id, timeout=240, hurry_requeued=False, until=None):
     deadline, pending_since = time.monotonic() + timeout, None
     while True:
         state, restarts = job_state(env, job_id)
-        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED") or (
+        # SIGNALING and STAGE_OUT pass as the job is signalled or ends (CI saw SIGNALING at the warning).
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "SIGNALING", "COMPLETING", "STAGE_OUT", "REQUEUED") or (
                 until and until(state, restarts)):
             return state
         if hurry_requeued and state == "PENDING" and restarts:
