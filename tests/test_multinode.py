@@ -2,6 +2,7 @@
 2 ranks on each, launched from node1 as on a real cluster. The project and $HOME are shared;
 each node's /tmp is its own, so every file the tests read is under the shared state directory."""
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -214,8 +215,10 @@ def test_elastic_training_goes_on_without_a_node_and_takes_it_back(cluster, shar
 
     def read_output():
         for line in run.stdout:
-            if "elastic (re)start" in line:
-                sizes.append(int(line.split("with ")[1].split()[0]))
+            # horovodrun's own messages ("… exit with status code …") can land on the same line.
+            restart = re.search(r"elastic \(re\)start at step \d+ with (\d+) rank", line)
+            if restart:
+                sizes.append(int(restart.group(1)))
 
     reader = threading.Thread(target=read_output, daemon=True)
     reader.start()
