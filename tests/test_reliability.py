@@ -226,25 +226,6 @@ def test_stalled_rank_ends_the_job_naming_it(tmp_path):
     assert len(lines) == 1 and f"rank(s) 1 ({os.uname().nodename}) stopped responding" in lines[0], stderr[-3000:]
 
 
-def test_a_suspended_job_goes_on_when_resumed(tmp_path):
-    """Slurm's scontrol suspend (or gang scheduling) stops every process of a job, for longer than
-    --stall-timeout too: on resume, each rank's watchdog sees that it was stopped itself, not that
-    another rank froze (it ended such a job before)."""
-    checkpoints, stall_timeout = tmp_path / "ckpt", 10  # start-up under load can take 10 s: not a stall
-    run = start_and_wait_for("mpirun", [*LONG_RUN, "--stall-timeout", stall_timeout, "--checkpoint-dir", checkpoints],
-                             checkpoint_from_step(checkpoints, 100))
-    launcher = psutil.Process(run.pid)
-    job = [launcher, rank_process(launcher, 0), rank_process(launcher, 1)]  # mpirun puts each rank in its own group
-    for process in job:
-        frozen(process)
-    assert not checkpoint_from_step(checkpoints, LONG_STEPS)(), "the run finished before the suspension"
-    time.sleep(stall_timeout + 4)
-    for process in job:
-        process.send_signal(signal.SIGCONT)
-    status, stdout, stderr = ended_within(run, 60)
-    assert status == 0 and "Test accuracy" in stdout, stderr[-3000:]
-
-
 def test_heartbeat_directories_left_by_killed_jobs_are_swept(tmp_path):
     """A killed rank never runs its atexit; the next job's rank 0 removes what has not changed for
     a day, and nothing else (a live job's directory changes every second)."""
