@@ -89,12 +89,17 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     """hvd.init, then pin this rank to one GPU (by local rank) and to its share of the CPU cores.
 
     Horovod's stall check is set to shut the job down, not only warn, after ``stall_timeout``
-    seconds in which the ranks submitted different collectives (the user's environment wins).
+    seconds in which the ranks submitted different collectives. ``stall_timeout`` None: the
+    caller's watchdog watches for stalls, and Horovod's check is off, since it would also end a
+    job whose rank 0 evaluates alone for that long, or that was suspended. The user's
+    HOROVOD_STALL_* settings win either way.
     """
     imported = time.time()  # Python, TensorFlow, Horovod and the arguments: before this
     check_versions()
-    os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, int(stall_timeout) // 2)))
-    os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(1, int(stall_timeout))))
+    if not any(name.startswith("HOROVOD_STALL_") for name in os.environ):
+        os.environ.update({"HOROVOD_STALL_CHECK_DISABLE": "1"} if stall_timeout is None else {
+            "HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, int(stall_timeout) // 2)),
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(max(1, int(stall_timeout)))})
     yield_when_idle()
     os.environ.setdefault("HOROVOD_CYCLE_TIME", _cycle_time_ms())
     # Read when TensorFlow creates its CPU device, after this. Its default CPU allocator hands large

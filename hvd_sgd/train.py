@@ -30,7 +30,7 @@ def main(argv=None):
     cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=startup.launch_rank() == 0, module="hvd_sgd.train")
     if not cfg.elastic:  # from now on a stop signal waits for fit's first check instead of ending the process
         preemption.listen(cfg.stall_timeout)
-    world = startup.start(cfg.threads_per_rank, cfg.stall_timeout, cfg.bind_cpus)
+    world = _start(cfg)
     with _together(world, cfg):  # a rank that cannot read the data, or import the model, stops them all
         splits = datasets.load(cfg.dataset, cfg.data_dir).subset(cfg.train_examples, cfg.test_examples)
         model_fn = models.resolve(cfg.model)
@@ -41,7 +41,7 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     """Train ``model_fn(input_shape, num_classes)`` on ``splits`` (a datasets.Splits) as ``cfg``
     says, on every rank of the job; the run's summary (what ``--metrics-file`` holds)."""
     # 1. Start Horovod (unless the caller has): one GPU per rank by local rank, its share of the cores.
-    world = world or startup.start(cfg.threads_per_rank, cfg.stall_timeout, cfg.bind_cpus)
+    world = world or _start(cfg)
     started = dict(world.started, data=time.time())  # where start-up's seconds go, for the summary
     import horovod.tensorflow as hvd  # its extension loads: startup.start checked it does
     watchdog = Watchdog(world, None if cfg.elastic else cfg.stall_timeout).start()  # a frozen rank ends the job
@@ -114,15 +114,17 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
 
     # 6. Train. The data order depends on (seed, epoch, global batch) only, so a resumed run
     #    sees exactly the batches the uninterrupted run would have seen.
-    trainer = Trainer(world, cfg, splits, model, optimizer, step, lr, checkpoints, steps_per_epoch, total_steps, stop)
-    result = _train_elastically(trainer, state) if cfg.elastic else trainer.run(watchdog.progress)
+    trainer = Trainer(world, cfg, splits, model, optimizer, step, lr, checkpoints, steps_per_epoch, total_steps,
+                      watchdog, stop)
+    result = _train_elastically(trainer, state) if cfg.elastic else trainer.run()
+    if result is None:  # resumed at the last step: nothing was left to train
+        result = world.evaluate(model, trainer.test_batches, watchdog.progress)
     started.update(first_step=trainer.clock.first_step_at, training=time.time())
     checksums = world.check_identical(state, "at the end")
     placement = hvd.allgather_object(world.placement())  # where each rank ran: host, local rank, …
+    watchdog.stop()  # the last collective is done: a large model's export may take long
 
     # 7. Finish: the ranks agree bit for bit (above); rank 0 writes the model and the summary.
-    if result is None:  # resumed at the last step: nothing was left to train
-        result = world.evaluate(model, trainer.test_batches)
     steps_done, steps_per_epoch = int(step.numpy()), trainer.steps_per_epoch
     summary = dict(
         test_accuracy=result["accuracy"], test_loss=result["loss"], epochs=steps_done / steps_per_epoch,
@@ -144,6 +146,12 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     return summary
 
 
+def _start(cfg):
+    """startup.start as ``cfg`` says. hvd_sgd's watchdog, not Horovod's stall check, ends a stalled
+    job; elastic mode runs no watchdog and keeps Horovod's check."""
+    return startup.start(cfg.threads_per_rank, cfg.stall_timeout if cfg.elastic else None, cfg.bind_cpus)
+
+
 def _together(world, cfg):
     """A block whose JobError on any rank stops every rank (world.agreement). Not in elastic mode:
     a worker that joins mid-run first meets the others in the broadcast that (re)starts training,
@@ -161,9 +169,9 @@ class Trainer:
     """The training loop, from the current global step to the last, on the ranks of the moment."""
 
     def __init__(self, world, cfg, splits, model, optimizer, step, lr, checkpoints, steps_per_epoch, total_steps,
-                 stop=None):
+                 watchdog, stop=None):
         self.world, self.cfg, self.splits, self.model, self.step, self.lr = world, cfg, splits, model, step, lr
-        self.optimizer, self.checkpoints, self.stop = optimizer, checkpoints, stop
+        self.optimizer, self.checkpoints, self.watchdog, self.stop = optimizer, checkpoints, watchdog, stop
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.test_batches = batches.test_batches(splits)
         self.clock = StepClock()
@@ -179,8 +187,9 @@ class Trainer:
     def global_batch(self):
         return self.cfg.batch_size * self.cfg.backward_passes_per_step * self.world.size
 
-    def run(self, after_step):
-        """Train to the last step (or the target accuracy); the last test result, None if no step was left."""
+    def run(self, after_step=None):
+        """Train to the last step (or the target accuracy), calling ``after_step(n)`` after each; the
+        last test result, None if no step was left."""
         first = int(self.step.numpy())
         rank_batch = self.cfg.batch_size * self.cfg.backward_passes_per_step
         indices = batches.rank_batch_indices(len(self.splits.x_train), rank_batch, self.world.size, self.world.rank,
@@ -193,7 +202,9 @@ class Trainer:
         for _ in range(first, self.total_steps):
             loss, n = train_step()
             n = int(n)  # the global step, as the step returns it: reading the variable would be an op more
-            after_step(n)
+            self.watchdog.progress(n)
+            if after_step:
+                after_step(n)
             self.clock.step_done(self.global_batch())
             last_step, epoch_end = n == self.total_steps, n % self.steps_per_epoch == 0
             every = self.cfg.checkpoint_every_steps
@@ -237,7 +248,7 @@ class Trainer:
 
     def _evaluate(self, n):
         with self.clock.paused():
-            result = self.world.evaluate(self.model, self.test_batches)
+            result = self.world.evaluate(self.model, self.test_batches, self.watchdog.progress)
         self.evaluations.append(dict(step=n, epoch=n / self.steps_per_epoch, accuracy=result["accuracy"],
                                      time=time.time()))
         self.world.log(f"epoch {n / self.steps_per_epoch:.2f}: test accuracy {result['accuracy']:.4f}  "

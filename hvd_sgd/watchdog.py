@@ -5,11 +5,12 @@ A rank that dies is noticed by the launcher, which ends the job. A rank that is 
 all-reduce for ever, and Horovod's own stall check cannot run because its coordination waits
 for that rank too. So each rank runs a thread that
 
-- beats: every second it writes the rank's last finished step and its host to a heartbeat file,
-  in a directory every node sees (see ``heartbeat_root``);
-- watches: when no step has finished for ``timeout`` seconds, it names the ranks whose heartbeat
-  stopped (a frozen process stops beating) and their hosts, prints one line (the lowest live rank
-  does), and exits the process with status 1, which makes the launcher end the job.
+- beats: every second it writes the rank's last finished step, the seconds since its last progress
+  and its host to a heartbeat file, in a directory every node sees (see ``heartbeat_root``);
+- watches: when its rank has made no progress for ``timeout`` seconds, nor rank 0 (which evaluates
+  alone while the others wait for it), it names the ranks whose heartbeat stopped (a frozen process
+  stops beating) and their hosts, prints one line (the lowest live rank does), and exits the process
+  with status 1, which makes the launcher end the job.
 """
 import atexit
 import glob
@@ -59,46 +60,67 @@ class Watchdog:
         self.timeout = timeout
         self.rank, self.size, self.host = world.rank, world.size, socket.gethostname()
         self.step, self.last_progress = 0, time.monotonic()
+        self.stopped = threading.Event()
 
     def start(self):
-        """From here to the end of the process; the heartbeat files go at exit. A watchdog that
-        watches nothing touches no directory. Starting one is a collective (the job's name)."""
+        """From here to ``stop()`` or the end of the process; the heartbeat files go at exit. A
+        watchdog that watches nothing touches no directory. Starting one is a collective (the job's
+        name)."""
         if self.timeout is not None:
             import horovod.tensorflow as hvd  # loaded by now: startup.start checked it
             job = hvd.broadcast_object(secrets.token_hex(8) if self.rank == 0 else None, root_rank=0)
+            root = heartbeat_root()
             if self.rank == 0:  # one rank sweeps up after killed jobs (their atexit never ran)
-                remove_stale_heartbeats(heartbeat_root())
-            self.directory = os.path.join(heartbeat_root(), f"hvd_sgd-heartbeat-{job}")
+                remove_stale_heartbeats(root)
+            self.directory = os.path.join(root, f"hvd_sgd-heartbeat-{job}")
             os.makedirs(self.directory, exist_ok=True)
+            self._beat()  # at once: a rank frozen before its thread's first beat is still named with its host
             atexit.register(shutil.rmtree, self.directory, ignore_errors=True)
             threading.Thread(target=self._run, name="hvd_sgd-watchdog", daemon=True).start()
         return self
 
     def progress(self, step=None):
-        """Called after every training step, and after each phase of the start-up."""
+        """Called after every training step, after each phase of the start-up, and after each test
+        batch of an evaluation."""
         self.step, self.last_progress = self.step if step is None else step, time.monotonic()
+
+    def stop(self):
+        """Stop watching: what is left, rank 0 writing its files, is no collective."""
+        self.stopped.set()
 
     def _run(self):
         woke = time.monotonic()
-        while True:
-            time.sleep(BEAT_SECONDS)
+        while not self.stopped.wait(BEAT_SECONDS):
             slept, woke = time.monotonic() - woke, time.monotonic()
             if slept > 3 * BEAT_SECONDS:
                 # This process was stopped itself (a suspended job: scontrol suspend, gang
                 # scheduling) or starved of CPU: no other rank's fault. The clock starts again.
                 self.last_progress = woke
             self._beat()
-            if woke - self.last_progress > self.timeout:
+            if woke - self.last_progress > self.timeout and not self._rank_0_progresses():
                 self._fire()
 
     def _beat(self):
         path = os.path.join(self.directory, f"rank-{self.rank}")
         try:
             with open(path + ".tmp", "w") as f:
-                f.write(f"{self.step} {self.host}")
+                f.write(f"{self.step} {time.monotonic() - self.last_progress:.1f} {self.host}")
             os.replace(path + ".tmp", path)
         except OSError:
             pass  # the directory went away at the end of the job
+
+    def _rank_0_progresses(self):
+        """Rank 0 beats and made progress within the timeout: it evaluates (or works) alone, and this
+        rank waits for it. Read only while this rank is idle, so mostly never."""
+        if self.rank == 0:
+            return False
+        path = os.path.join(self.directory, "rank-0")
+        try:
+            with open(path) as f:
+                idle = float(f.read().split()[1])
+            return time.time() - os.path.getmtime(path) <= 3 * BEAT_SECONDS and idle <= self.timeout
+        except (OSError, IndexError, ValueError):
+            return False
 
     def _fire(self):
         now = time.time()

@@ -11,6 +11,7 @@ import sys
 import zlib
 
 import horovod.tensorflow as hvd
+import tensorflow as tf
 
 from hvd_sgd import JobError
 
@@ -64,9 +65,14 @@ class World:
             rank, message = failures[0]
             raise JobError(message if len(failures) == self.size else f"rank {rank}: {message}")
 
-    def evaluate(self, model, test_batches):
-        """Rank 0 evaluates the (compiled) model; every rank receives the result."""
-        result = model.evaluate(test_batches, verbose=0, return_dict=True) if self.is_chief else None
+    def evaluate(self, model, test_batches, after_batch):
+        """Rank 0 evaluates the (compiled) model, calling ``after_batch()`` after each batch (the
+        watchdog's progress: the other ranks wait meanwhile); every rank receives the result."""
+        if self.is_chief:
+            each_batch = tf.keras.callbacks.LambdaCallback(on_test_batch_end=lambda batch, logs: after_batch())
+            result = model.evaluate(test_batches, verbose=0, return_dict=True, callbacks=[each_batch])
+        else:
+            result = None
         return hvd.broadcast_object(result, root_rank=0)
 
     def check_identical(self, variables, when):

@@ -226,6 +226,71 @@ def test_stalled_rank_ends_the_job_naming_it(tmp_path):
     assert len(lines) == 1 and f"rank(s) 1 ({os.uname().nodename}) stopped responding" in lines[0], stderr[-3000:]
 
 
+def test_a_suspended_job_goes_on_when_resumed(tmp_path):
+    """Slurm's scontrol suspend (or gang scheduling) stops every process of a job, for longer than
+    --stall-timeout too: on resume, each rank's watchdog sees that it was stopped itself, not that
+    another rank froze, and Horovod's own stall check (off) does not end the job either."""
+    checkpoints, stall_timeout = tmp_path / "ckpt", 10  # start-up under load can take 10 s: not a stall
+    run = start_and_wait_for("mpirun", [*LONG_RUN, "--stall-timeout", stall_timeout, "--checkpoint-dir", checkpoints],
+                             checkpoint_from_step(checkpoints, 100))
+    launcher = psutil.Process(run.pid)
+    job = [launcher, rank_process(launcher, 0), rank_process(launcher, 1)]  # mpirun puts each rank in its own group
+    for process in job:
+        frozen(process)
+    assert not checkpoint_from_step(checkpoints, LONG_STEPS)(), "the run finished before the suspension"
+    time.sleep(stall_timeout + 4)
+    for process in job:
+        process.send_signal(signal.SIGCONT)
+    status, stdout, stderr = ended_within(run, 60)
+    assert status == 0 and "Test accuracy" in stdout, stderr[-3000:]
+
+
+SLOW_EVALUATION = """
+import os, time
+import tensorflow as tf
+
+
+def _slow(batch):
+    with open(os.environ["EVALUATED"], "a") as f:  # one line a test batch
+        f.write("batch\\n")
+    time.sleep(1.5)
+    return batch
+
+
+class SlowWhenTesting(tf.keras.layers.Layer):
+    def call(self, x, training=None):
+        if training:
+            return x
+        y = tf.py_function(_slow, [x], x.dtype)
+        y.set_shape(x.shape)
+        return y
+
+
+def model(input_shape, num_classes):
+    return tf.keras.Sequential([tf.keras.Input(input_shape), tf.keras.layers.Flatten(), SlowWhenTesting(),
+                                tf.keras.layers.Dense(num_classes)])
+"""
+
+
+def test_rank_0_evaluating_longer_than_the_stall_timeout_is_no_stall_but_freezing_then_is(tmp_path):
+    """Rank 0 evaluates alone while the others wait in a collective: 15 s of test batches at
+    --stall-timeout 10 is progress (before, both hvd_sgd's watchdog and Horovod's stall check ended
+    the job), but rank 0 frozen in its next evaluation still ends the job, naming it."""
+    (tmp_path / "slow_evaluation.py").write_text(SLOW_EVALUATION)
+    evaluated, stall_timeout = tmp_path / "evaluated", 10
+    batches = lambda: len(evaluated.read_text().splitlines()) if evaluated.exists() else 0
+    run = start_and_wait(launchers.command("mpirun", 2, "hvd_sgd.train", [
+        "--model", "slow_evaluation:model", "--train-examples", 2000, "--test-examples", 10000, "--epochs", 2,
+        "--stall-timeout", stall_timeout]), lambda: batches() > 10, timeout=180,
+        env=launchers.environment(PYTHONPATH=str(tmp_path), EVALUATED=str(evaluated)))
+    frozen(rank_process(psutil.Process(run.pid), 0))  # in its second evaluation: the first one passed
+    stopped_at = time.monotonic()
+    status, stdout, stderr = ended_within(run, 60)
+    assert status != 0 and time.monotonic() - stopped_at < stall_timeout + 15
+    lines = [line for line in output_lines(stderr) if "hvd_sgd" in line]
+    assert len(lines) == 1 and f"rank(s) 0 ({os.uname().nodename}) stopped responding" in lines[0], stderr[-3000:]
+
+
 def test_heartbeat_directories_left_by_killed_jobs_are_swept(tmp_path):
     """A killed rank never runs its atexit; the next job's rank 0 removes what has not changed for
     a day, and nothing else (a live job's directory changes every second)."""
