@@ -65,6 +65,16 @@ class World:
             rank, message = failures[0]
             raise JobError(message if len(failures) == self.size else f"rank {rank}: {message}")
 
+    def average_statistics(self, model):
+        """Each rank updates the float non-trainable variables (BatchNormalization's moving mean and
+        variance) from its own batches, so they drift apart: make every rank hold their mean over
+        the ranks. For a moving mean that is the moving average of the global batch's means."""
+        statistics = [v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating]
+        if statistics and self.size > 1:
+            averaged = hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in statistics], op=hvd.Average)
+            for variable, value in zip(statistics, averaged):
+                variable.assign(value)
+
     def evaluate(self, model, test_batches, after_batch):
         """Rank 0 evaluates the (compiled) model, calling ``after_batch()`` after each batch (the
         watchdog's progress: the other ranks wait meanwhile); every rank receives the result."""
