@@ -248,7 +248,7 @@ class Trainer:
 
     def _evaluate(self, n):
         with self.clock.paused():
-            self.world.average_statistics(self.model)  # the model rank 0 tests, and every rank goes on from
+            self.world.average_statistics(self.model)  # what rank 0 tests, and every rank goes on with
             result = self.world.evaluate(self.model, self.test_batches, self.watchdog.progress)
         self.evaluations.append(dict(step=n, epoch=n / self.steps_per_epoch, accuracy=result["accuracy"],
                                      time=time.time()))
