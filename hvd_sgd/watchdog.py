@@ -109,32 +109,30 @@ class Watchdog:
         except OSError:
             pass  # the directory went away at the end of the job
 
+    def _heartbeat(self, rank):
+        """``rank``'s last beat: (its age in seconds, the seconds that rank had then gone without
+        progress, its host); None if it never beat or is not visible from this node."""
+        path = os.path.join(self.directory, f"rank-{rank}")
+        try:
+            age = time.time() - os.path.getmtime(path)
+            with open(path) as f:
+                _, idle, host = f.read().split()
+            return age, float(idle), host
+        except (OSError, ValueError):
+            return None
+
     def _rank_0_progresses(self):
         """Rank 0 beats and made progress within the timeout: it evaluates (or works) alone, and this
         rank waits for it. Read only while this rank is idle, so mostly never."""
-        if self.rank == 0:
-            return False
-        path = os.path.join(self.directory, "rank-0")
-        try:
-            with open(path) as f:
-                idle = float(f.read().split()[1])
-            return time.time() - os.path.getmtime(path) <= 3 * BEAT_SECONDS and idle <= self.timeout
-        except (OSError, IndexError, ValueError):
-            return False
+        beat = None if self.rank == 0 else self._heartbeat(0)
+        return beat is not None and beat[0] <= 3 * BEAT_SECONDS and beat[1] <= self.timeout
 
     def _fire(self):
-        now = time.time()
         frozen = {}  # rank: host
         for rank in range(self.size):
-            path = os.path.join(self.directory, f"rank-{rank}")
-            try:
-                age = now - os.path.getmtime(path)
-                with open(path) as f:
-                    host = f.read().split()[-1]
-            except (OSError, IndexError):
-                age, host = None, "host unknown"  # never beat, or not visible from this node
-            if age is None or age > max(3 * BEAT_SECONDS, self.timeout / 4):
-                frozen[rank] = host
+            beat = self._heartbeat(rank)
+            if beat is None or beat[0] > max(3 * BEAT_SECONDS, self.timeout / 4):
+                frozen[rank] = beat[2] if beat else "host unknown"
         alive = [r for r in range(self.size) if r not in frozen]
         # The lowest live rank reports. A rank that was itself frozen (its own heartbeat is stale)
         # and is woken by the launcher's SIGCONT before its SIGTERM says nothing.

@@ -175,6 +175,15 @@ def frozen(process):
     return process
 
 
+def assert_ends_naming(run, rank, stopped_at, stall_timeout):
+    """The job ends, failed, within ``stall_timeout`` + 15 s of ``rank``'s freeze at ``stopped_at``,
+    with one line naming that rank and its host."""
+    status, stdout, stderr = ended_within(run, 60)
+    assert status != 0 and time.monotonic() - stopped_at < stall_timeout + 15
+    lines = [line for line in output_lines(stderr) if "hvd_sgd" in line]
+    assert len(lines) == 1 and f"rank(s) {rank} ({os.uname().nodename}) stopped responding" in lines[0], stderr[-3000:]
+
+
 def checkpoint_from_step(directory, step):
     """Whether a checkpoint of ``step`` or later is recorded (older ones are rotated away, so wait for
     any). Recorded: named in the directory's state file, which TensorFlow replaces after the
@@ -219,11 +228,7 @@ def test_stalled_rank_ends_the_job_naming_it(tmp_path):
                                         "--checkpoint-dir", checkpoints],
                              checkpoint_from_step(checkpoints, 100))
     rank_process(psutil.Process(run.pid), 1).send_signal(signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    status, stdout, stderr = ended_within(run, 60)
-    assert status != 0 and time.monotonic() - stopped_at < stall_timeout + 15
-    lines = [line for line in output_lines(stderr) if "hvd_sgd" in line]
-    assert len(lines) == 1 and f"rank(s) 1 ({os.uname().nodename}) stopped responding" in lines[0], stderr[-3000:]
+    assert_ends_naming(run, 1, time.monotonic(), stall_timeout)
 
 
 def test_a_suspended_job_goes_on_when_resumed(tmp_path):
@@ -284,11 +289,7 @@ def test_rank_0_evaluating_longer_than_the_stall_timeout_is_no_stall_but_freezin
         "--stall-timeout", stall_timeout]), lambda: batches() > 10, timeout=180,
         env=launchers.environment(PYTHONPATH=str(tmp_path), EVALUATED=str(evaluated)))
     frozen(rank_process(psutil.Process(run.pid), 0))  # in its second evaluation: the first one passed
-    stopped_at = time.monotonic()
-    status, stdout, stderr = ended_within(run, 60)
-    assert status != 0 and time.monotonic() - stopped_at < stall_timeout + 15
-    lines = [line for line in output_lines(stderr) if "hvd_sgd" in line]
-    assert len(lines) == 1 and f"rank(s) 0 ({os.uname().nodename}) stopped responding" in lines[0], stderr[-3000:]
+    assert_ends_naming(run, 0, time.monotonic(), stall_timeout)
 
 
 def test_heartbeat_directories_left_by_killed_jobs_are_swept(tmp_path):
