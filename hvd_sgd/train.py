@@ -264,7 +264,7 @@ class Trainer:
         # Never checkpoint a diverged model.
         _finite(float(tf.linalg.global_norm(self.model.trainable_variables)), "weights' norm", n)
         if self.world.is_chief and self.checkpoints:  # rank 0 alone writes checkpoints
-            with self.clock.paused():
+            with self.clock.paused(), self.watchdog.writing(self.cfg.checkpoint_dir):
                 self.checkpoints.save(n)
 
 

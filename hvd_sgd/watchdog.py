@@ -8,11 +8,12 @@ for that rank too. So each rank runs a thread that
 - beats: every second it writes the rank's last finished step, the seconds since its last progress
   and its host to a heartbeat file, in a directory every node sees (see ``heartbeat_root``);
 - watches: when its rank has made no progress for ``timeout`` seconds, nor rank 0 (which evaluates
-  alone while the others wait for it), it names the ranks whose heartbeat stopped (a frozen process
+  and writes checkpoints alone while the others wait for it), it names the ranks whose heartbeat stopped (a frozen process
   stops beating) and their hosts, prints one line (the lowest live rank does), and exits the process
   with status 1, which makes the launcher end the job.
 """
 import atexit
+import contextlib
 import glob
 import os
 import secrets
@@ -60,6 +61,7 @@ class Watchdog:
         self.timeout = timeout
         self.rank, self.size, self.host = world.rank, world.size, socket.gethostname()
         self.step, self.last_progress = 0, time.monotonic()
+        self.writing_to = None  # the directory rank 0 writes a checkpoint into, while it does
         self.stopped = threading.Event()
 
     def start(self):
@@ -84,6 +86,17 @@ class Watchdog:
         batch of an evaluation."""
         self.step, self.last_progress = self.step if step is None else step, time.monotonic()
 
+    @contextlib.contextmanager
+    def writing(self, directory):
+        """Rank 0 writes into ``directory`` alone while the others wait for it. Its files growing is
+        progress: a slow file system is no stall, a hung one is."""
+        self.written, self.writing_to = _bytes_under(directory), directory
+        try:
+            yield
+        finally:
+            self.writing_to = None
+            self.progress()
+
     def stop(self):
         """Stop watching: what is left, rank 0 writing its files, is no collective."""
         self.stopped.set()
@@ -96,6 +109,9 @@ class Watchdog:
                 # This process was stopped itself (a suspended job: scontrol suspend, gang
                 # scheduling) or starved of CPU: no other rank's fault. The clock starts again.
                 self.last_progress = woke
+            directory = self.writing_to
+            if directory is not None and (written := _bytes_under(directory)) != self.written:
+                self.written, self.last_progress = written, woke
             self._beat()
             if woke - self.last_progress > self.timeout and not self._rank_0_progresses():
                 self._fire()
@@ -137,11 +153,25 @@ class Watchdog:
         # The lowest live rank reports. A rank that was itself frozen (its own heartbeat is stale)
         # and is woken by the launcher's SIGCONT before its SIGTERM says nothing.
         if alive and self.rank == alive[0]:
-            who = (f"rank(s) {', '.join(f'{r} ({host})' for r, host in frozen.items())} stopped responding" if frozen
-                   else "no rank stopped responding, but a collective operation is blocked")
+            if frozen:
+                who = f"rank(s) {', '.join(f'{r} ({host})' for r, host in frozen.items())} stopped responding"
+            elif self.writing_to is not None:
+                who = f"rank {self.rank} ({self.host}) wrote nothing into {self.writing_to} (a hung file system?)"
+            else:
+                who = "no rank stopped responding, but a collective operation is blocked"
             sys.stderr.write(f"hvd_sgd: error: no training step finished for {self.timeout:.0f} s after step "
                              f"{self.step}: {who}; ending the job (--stall-timeout)\n")
             sys.stderr.flush()
         else:
             time.sleep(2)  # let the reporting rank speak before the launcher tears the job down
         os._exit(1)
+
+
+def _bytes_under(directory):
+    """The size of the files under ``directory``; it changes as a checkpoint is written."""
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            with contextlib.suppress(OSError):  # a temporary file renamed away meanwhile
+                total += os.stat(os.path.join(root, name)).st_size
+    return total

@@ -292,6 +292,84 @@ def test_rank_0_evaluating_longer_than_the_stall_timeout_is_no_stall_but_freezin
     assert_ends_naming(run, 0, time.monotonic(), stall_timeout)
 
 
+class SlowFileSystem:
+    """An ext4 file system on a loop device, mounted ``sync``, whose writes from the processes in a
+    blkio cgroup go at ``rate`` bytes a second: a slow shared file system. ``freeze()`` hangs it."""
+
+    def __init__(self, tmp_path, rate):
+        if os.geteuid() != 0 or not os.path.isdir("/sys/fs/cgroup/blkio"):
+            pytest.skip("a throttled file system needs root, loop devices and the blkio cgroup (cgroup v1)")
+        self.image, self.path = tmp_path / "fs.img", tmp_path / "slow"
+        self.cgroup = f"/sys/fs/cgroup/blkio/hvd_sgd-test-{os.getpid()}"
+        self.path.mkdir()
+        with open(self.image, "wb") as f:
+            f.truncate(256 << 20)
+        subprocess.run(["mkfs.ext4", "-q", self.image], check=True)
+        self.device = subprocess.run(["losetup", "--find", "--show", self.image], check=True, capture_output=True,
+                                     text=True).stdout.strip()
+        subprocess.run(["mount", "-o", "sync", self.device, self.path], check=True)
+        os.makedirs(self.cgroup, exist_ok=True)
+        device = os.stat(self.device).st_rdev
+        with open(f"{self.cgroup}/blkio.throttle.write_bps_device", "w") as f:
+            f.write(f"{os.major(device)}:{os.minor(device)} {rate}")
+
+    def command(self, command):
+        """``command``, run in the throttled cgroup (its children too)."""
+        return ["sh", "-c", f'echo $$ > {self.cgroup}/cgroup.procs && exec "$@"', "sh", *map(str, command)]
+
+    def freeze(self):
+        subprocess.run(["fsfreeze", "--freeze", self.path], check=True)
+
+    def thaw(self):
+        subprocess.run(["fsfreeze", "--unfreeze", self.path], capture_output=True)  # fails if not frozen
+
+    def remove(self):
+        self.thaw()
+        subprocess.run(["umount", "--lazy", self.path], check=True)
+        subprocess.run(["losetup", "--detach", self.device], check=True)
+        with open(f"{self.cgroup}/cgroup.procs") as f:  # its processes are ours and have ended
+            assert not f.read().split(), "processes left in the test's cgroup"
+        os.rmdir(self.cgroup)
+
+
+@pytest.fixture
+def slow_file_system(tmp_path):
+    fs = SlowFileSystem(tmp_path, rate=3 << 20)
+    yield fs
+    fs.remove()
+
+
+WIDE_MODEL = """
+import tensorflow as tf
+
+
+def model(input_shape, num_classes):  # 3.2 M weights: 25 MB a checkpoint with their momentum
+    return tf.keras.Sequential([tf.keras.Input(input_shape), tf.keras.layers.Flatten(), tf.keras.layers.Dense(4000),
+                                tf.keras.layers.Dense(num_classes)])
+"""
+
+
+def test_a_checkpoint_written_slower_than_the_stall_timeout_is_no_stall_but_a_hung_write_is(slow_file_system, tmp_path):
+    """Rank 0 writes checkpoints alone while the others wait for it: 25 MB at 3 MB/s, 8 s, at
+    --stall-timeout 5 is progress, since the files grow (TensorFlow writes 8 MB at a time; before,
+    the watchdog ended the job), but a write into a frozen file system ends the job, naming it."""
+    (tmp_path / "wide.py").write_text(WIDE_MODEL)
+    checkpoints, stall_timeout = slow_file_system.path / "ckpt", 5
+    run = start_and_wait(slow_file_system.command(launchers.command("mpirun", 2, "hvd_sgd.train", [
+        "--model", "wide:model", "--train-examples", 8192, "--test-examples", 100, "--max-steps", 100000,
+        "--checkpoint-every-steps", 20, "--stall-timeout", stall_timeout, "--checkpoint-dir", checkpoints])),
+        checkpoint_from_step(checkpoints, 20), timeout=180, env=launchers.environment(PYTHONPATH=str(tmp_path)))
+    slow_file_system.freeze()
+    rank_1 = rank_process(psutil.Process(run.pid), 1)
+    # Rank 0 blocks in the frozen file system and cannot exit until it thaws: thaw once rank 1 has gone.
+    psutil.wait_procs([rank_1], timeout=60)
+    slow_file_system.thaw()
+    status, stdout, stderr = ended_within(run, 60)
+    lines = [line for line in output_lines(stderr) if "hvd_sgd" in line]
+    assert status != 0 and len(lines) == 1, stderr[-3000:]
+    assert f"rank 0 ({os.uname().nodename}) wrote nothing into {checkpoints} (a hung file system?)" in lines[0]
+
+
 def test_heartbeat_directories_left_by_killed_jobs_are_swept(tmp_path):
     """A killed rank never runs its atexit; the next job's rank 0 removes what has not changed for
     a day, and nothing else (a live job's directory changes every second)."""
