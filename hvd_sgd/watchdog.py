@@ -8,9 +8,9 @@ for that rank too. So each rank runs a thread that
 - beats: every second it writes the rank's last finished step, the seconds since its last progress
   and its host to a heartbeat file, in a directory every node sees (see ``heartbeat_root``);
 - watches: when its rank has made no progress for ``timeout`` seconds, nor rank 0 (which evaluates
-  and writes checkpoints alone while the others wait for it), it names the ranks whose heartbeat stopped (a frozen process
-  stops beating) and their hosts, prints one line (the lowest live rank does), and exits the process
-  with status 1, which makes the launcher end the job.
+  and writes checkpoints alone while the others wait for it), it names the ranks whose heartbeat
+  stopped (a frozen process stops beating) and their hosts, prints one line (the lowest live rank
+  does), and exits the process with status 1, which makes the launcher end the job.
 """
 import atexit
 import contextlib
@@ -61,7 +61,7 @@ class Watchdog:
         self.timeout = timeout
         self.rank, self.size, self.host = world.rank, world.size, socket.gethostname()
         self.step, self.last_progress = 0, time.monotonic()
-        self.writing_to = None  # the directory rank 0 writes a checkpoint into, while it does
+        self.writing_to, self.written = None, 0  # where rank 0 writes a checkpoint, while it does; its bytes
         self.stopped = threading.Event()
 
     def start(self):
