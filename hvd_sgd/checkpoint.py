@@ -7,6 +7,7 @@ a crash mid-write leaves the previous checkpoint as the latest. Every tensor car
 that is verified on reading, so a damaged file is detected and the one before it is used.
 """
 import fcntl
+import glob
 import os
 import socket
 import time
@@ -17,6 +18,7 @@ from hvd_sgd import JobError, files, first_line
 
 KEEP = 3
 LOCK_FILE = ".hvd_sgd.lock"
+READ_CHUNK = 8 << 20
 
 
 def lock_directory(directory, what):
@@ -64,11 +66,13 @@ class Checkpoints:
         if self.manager.latest_checkpoint != self._path(step):
             self.manager.save(checkpoint_number=step)
 
-    def restore_latest(self):
-        """Load the newest readable checkpoint into the trackables; the caller broadcasts them."""
+    def restore_latest(self, progress):
+        """Load the newest readable checkpoint into the trackables; the caller broadcasts them.
+        ``progress()`` is called as its files are read."""
         expected = int(self.global_batch.numpy())
         for path in reversed(self._inside_directory(self.manager.checkpoints)):
             try:
+                _read_through(path, progress)
                 self.checkpoint.restore(path).assert_existing_objects_matched()
                 saved = int(self.global_batch.numpy())
                 if saved != expected:
@@ -77,7 +81,8 @@ class Checkpoints:
                                    f"the same global batch, e.g. another --batch-size for another number of ranks")
                 self.log(f"Resuming from {path}")
                 return
-            except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError, IndexError) as e:
+            except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError, IndexError,
+                    OSError) as e:
                 self.log(f"Skipping damaged checkpoint {path}: {first_line(e)}")
             except (ValueError, AssertionError, tf.errors.InvalidArgumentError) as e:
                 raise JobError(f"{path} does not fit this model: {first_line(e)}") from None
@@ -93,3 +98,14 @@ class Checkpoints:
         for p in sorted(set(paths) - set(inside)):
             self.log(f"Ignoring checkpoint {p}: it is outside {self.directory}")
         return inside
+
+
+def _read_through(prefix, progress):
+    """Read the files of checkpoint ``prefix`` once, calling ``progress()`` after each chunk:
+    TensorFlow's own reads (in C++) show no progress on a slow file system, and then find the
+    files in the page cache."""
+    chunk = bytearray(READ_CHUNK)
+    for name in sorted(glob.glob(glob.escape(prefix) + ".*")):
+        with open(name, "rb") as f:
+            while f.readinto(chunk):
+                progress()

@@ -75,8 +75,8 @@ class TrainConfig:
     log_dir: Optional[str] = option(None, "write TensorBoard logs here")
     log_every_steps: int = option(50, "average the loss over all ranks and report it every N steps")
     stall_timeout: float = option(60.0, "end the job when no rank made progress (a step, a test batch of rank "
-                                        "0's evaluation, its checkpoint's files growing) for this many seconds: "
-                                        "a frozen rank, named")
+                                        "0's evaluation, its checkpoint's files read or growing) for this many "
+                                        "seconds: a frozen rank, or a hung file system, named")
     elastic: bool = option(False, "elastic training under horovodrun --min-np/--max-np/--host-discovery-script: "
                                   "workers may leave or join")
     commit_every_steps: int = option(10, "with --elastic, commit the state in memory every N steps (what a lost "

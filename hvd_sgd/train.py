@@ -95,16 +95,17 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
     checkpoints = None
     with _together(world, cfg):
         if world.is_chief and cfg.checkpoint_dir:  # rank 0 alone reads and writes checkpoints
-            # Slurm requeued this job (after a stop, a node failure, preemption): --resume is implied.
-            requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
-            checkpoints = checkpoint.Checkpoints(cfg.checkpoint_dir, cfg.resume or requeued, world.log,
-                                                 cfg.batch_size * passes * world.size,
-                                                 model=model, optimizer=optimizer, step=step)
-            if cfg.resume or (requeued and checkpoints.manager.checkpoints):
-                if not cfg.resume:
-                    world.log(f"Slurm requeued job {os.environ.get('SLURM_JOB_ID')} (restart "
-                              f"{os.environ['SLURM_RESTART_COUNT']}): resuming, as --resume would")
-                checkpoints.restore_latest()
+            with watchdog.file_work(cfg.checkpoint_dir):  # the others wait: a slow file system is no stall
+                # Slurm requeued this job (after a stop, a node failure, preemption): --resume is implied.
+                requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
+                checkpoints = checkpoint.Checkpoints(cfg.checkpoint_dir, cfg.resume or requeued, world.log,
+                                                     cfg.batch_size * passes * world.size,
+                                                     model=model, optimizer=optimizer, step=step)
+                if cfg.resume or (requeued and checkpoints.manager.checkpoints):
+                    if not cfg.resume:
+                        world.log(f"Slurm requeued job {os.environ.get('SLURM_JOB_ID')} (restart "
+                                  f"{os.environ['SLURM_RESTART_COUNT']}): resuming, as --resume would")
+                    checkpoints.restore_latest(watchdog.progress)
     state = distributed.tf_variables(model.variables + optimizer.variables) + [step]
     if not cfg.elastic:  # elastic: hvd.elastic.run broadcasts rank 0's state at every (re)start
         hvd.broadcast_variables(state, root_rank=0)
@@ -264,7 +265,7 @@ class Trainer:
         # Never checkpoint a diverged model.
         _finite(float(tf.linalg.global_norm(self.model.trainable_variables)), "weights' norm", n)
         if self.world.is_chief and self.checkpoints:  # rank 0 alone writes checkpoints
-            with self.clock.paused(), self.watchdog.writing(self.cfg.checkpoint_dir):
+            with self.clock.paused(), self.watchdog.file_work(self.cfg.checkpoint_dir):
                 self.checkpoints.save(n)
 
 

@@ -61,7 +61,7 @@ class Watchdog:
         self.timeout = timeout
         self.rank, self.size, self.host = world.rank, world.size, socket.gethostname()
         self.step, self.last_progress = 0, time.monotonic()
-        self.writing_to, self.written = None, 0  # where rank 0 writes a checkpoint, while it does; its bytes
+        self.working_in, self.written = None, 0  # where rank 0 reads or writes a checkpoint, while it does; its bytes
         self.stopped = threading.Event()
 
     def start(self):
@@ -87,14 +87,15 @@ class Watchdog:
         self.step, self.last_progress = self.step if step is None else step, time.monotonic()
 
     @contextlib.contextmanager
-    def writing(self, directory):
-        """Rank 0 writes into ``directory`` alone while the others wait for it. Its files growing is
-        progress: a slow file system is no stall, a hung one is."""
-        self.written, self.writing_to = _bytes_under(directory), directory
+    def file_work(self, directory):
+        """Rank 0 reads or writes in ``directory`` alone while the others wait for it. Its files
+        growing is progress, as ``progress()`` is: a slow file system is no stall, a hung one is."""
+        self.working_in = directory  # first: its file system may hang in the next line already
+        self.written = _bytes_under(directory)
         try:
             yield
         finally:
-            self.writing_to = None
+            self.working_in = None
             self.progress()
 
     def stop(self):
@@ -109,7 +110,7 @@ class Watchdog:
                 # This process was stopped itself (a suspended job: scontrol suspend, gang
                 # scheduling) or starved of CPU: no other rank's fault. The clock starts again.
                 self.last_progress = woke
-            directory = self.writing_to
+            directory = self.working_in
             if directory is not None and (written := _bytes_under(directory)) != self.written:
                 self.written, self.last_progress = written, woke
             self._beat()
@@ -155,8 +156,8 @@ class Watchdog:
         if alive and self.rank == alive[0]:
             if frozen:
                 who = f"rank(s) {', '.join(f'{r} ({host})' for r, host in frozen.items())} stopped responding"
-            elif self.writing_to is not None:
-                who = f"rank {self.rank} ({self.host}) wrote nothing into {self.writing_to} (a hung file system?)"
+            elif self.working_in is not None:
+                who = f"rank {self.rank} ({self.host}) is stuck in {self.working_in} (a hung file system?)"
             else:
                 who = "no rank stopped responding, but a collective operation is blocked"
             sys.stderr.write(f"hvd_sgd: error: no training step finished for {self.timeout:.0f} s after step "

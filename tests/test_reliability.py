@@ -293,10 +293,11 @@ def test_rank_0_evaluating_longer_than_the_stall_timeout_is_no_stall_but_freezin
 
 
 class SlowFileSystem:
-    """An ext4 file system on a loop device, mounted ``sync``, whose writes from the processes in a
-    blkio cgroup go at ``rate`` bytes a second: a slow shared file system. ``freeze()`` hangs it."""
+    """An ext4 file system on a loop device, mounted ``sync``, whose reads and writes from the
+    processes in a blkio cgroup go at the rates ``throttle`` sets: a slow shared file system.
+    ``freeze()`` hangs its writes."""
 
-    def __init__(self, tmp_path, rate):
+    def __init__(self, tmp_path):
         if os.geteuid() != 0 or not (os.path.exists("/dev/loop-control") and os.path.isdir("/sys/fs/cgroup/blkio")):
             pytest.skip("a throttled file system needs root, loop devices and the blkio cgroup (cgroup v1)")
         self.image, self.path = tmp_path / "fs.img", tmp_path / "slow"
@@ -309,9 +310,22 @@ class SlowFileSystem:
                                      text=True).stdout.strip()
         subprocess.run(["mount", "-o", "sync", self.device, self.path], check=True)
         os.makedirs(self.cgroup, exist_ok=True)
+
+    def throttle(self, read=0, write=0):
+        """Bytes a second (0: no limit)."""
         device = os.stat(self.device).st_rdev
-        with open(f"{self.cgroup}/blkio.throttle.write_bps_device", "w") as f:
-            f.write(f"{os.major(device)}:{os.minor(device)} {rate}")
+        for direction, rate in (("read", read), ("write", write)):
+            with open(f"{self.cgroup}/blkio.throttle.{direction}_bps_device", "w") as f:
+                f.write(f"{os.major(device)}:{os.minor(device)} {rate}")
+
+    def remount(self):
+        """Empty its page cache, then read its directories and inodes again (outside the cgroup):
+        what the processes in the cgroup read next comes from the device, file data alone."""
+        subprocess.run(["umount", self.path], check=True)
+        subprocess.run(["mount", "-o", "sync", self.device, self.path], check=True)
+        for root, _, names in os.walk(self.path):
+            for name in names:
+                os.stat(os.path.join(root, name))
 
     def command(self, command):
         """``command``, run in the throttled cgroup (its children too)."""
@@ -325,6 +339,7 @@ class SlowFileSystem:
 
     def remove(self):
         self.thaw()
+        self.throttle()  # what waits in the throttle goes through
         with open(f"{self.cgroup}/cgroup.procs") as f:  # a failed test's run, still going
             left = [psutil.Process(int(pid)) for pid in f.read().split()]
         for process in left:
@@ -337,7 +352,7 @@ class SlowFileSystem:
 
 @pytest.fixture
 def slow_file_system(tmp_path):
-    fs = SlowFileSystem(tmp_path, rate=3 << 20)
+    fs = SlowFileSystem(tmp_path)
     yield fs
     fs.remove()
 
@@ -352,15 +367,20 @@ def model(input_shape, num_classes):  # 3.2 M weights: 25 MB a checkpoint with t
 """
 
 
+def wide_run(checkpoints):
+    return ["--model", "wide:model", "--train-examples", 8192, "--test-examples", 100, "--stall-timeout", 5,
+            "--checkpoint-dir", checkpoints]
+
+
 def test_a_checkpoint_written_slower_than_the_stall_timeout_is_no_stall_but_a_hung_write_is(slow_file_system, tmp_path):
     """Rank 0 writes checkpoints alone while the others wait for it: 25 MB at 3 MB/s, 8 s, at
     --stall-timeout 5 is progress, since the files grow (TensorFlow writes 8 MB at a time; before,
     the watchdog ended the job), but a write into a frozen file system ends the job, naming it."""
     (tmp_path / "wide.py").write_text(WIDE_MODEL)
-    checkpoints, stall_timeout = slow_file_system.path / "ckpt", 5
+    checkpoints = slow_file_system.path / "ckpt"
+    slow_file_system.throttle(write=3 << 20)
     run = start_and_wait(slow_file_system.command(launchers.command("mpirun", 2, "hvd_sgd.train", [
-        "--model", "wide:model", "--train-examples", 8192, "--test-examples", 100, "--max-steps", 100000,
-        "--checkpoint-every-steps", 20, "--stall-timeout", stall_timeout, "--checkpoint-dir", checkpoints])),
+        *wide_run(checkpoints), "--max-steps", 100000, "--checkpoint-every-steps", 20])),
         checkpoint_from_step(checkpoints, 20), timeout=180, env=launchers.environment(PYTHONPATH=str(tmp_path)))
     slow_file_system.freeze()
     rank_1 = rank_process(psutil.Process(run.pid), 1)
@@ -370,7 +390,33 @@ def test_a_checkpoint_written_slower_than_the_stall_timeout_is_no_stall_but_a_hu
     status, stdout, stderr = ended_within(run, 60)
     lines = [line for line in output_lines(stderr) if "hvd_sgd" in line]
     assert status != 0 and len(lines) == 1, stderr[-3000:]
-    assert f"rank 0 ({os.uname().nodename}) wrote nothing into {checkpoints} (a hung file system?)" in lines[0]
+    assert f"rank 0 ({os.uname().nodename}) is stuck in {checkpoints} (a hung file system?)" in lines[0]
+
+
+def test_a_checkpoint_read_slower_than_the_stall_timeout_is_no_stall_but_a_hung_read_is(slow_file_system, tmp_path):
+    """--resume: rank 0 reads the checkpoint alone while the others wait for it. 25 MB at 3 MB/s at
+    --stall-timeout 5 is progress (before, the watchdog ended the job); reads that hang end it."""
+    (tmp_path / "wide.py").write_text(WIDE_MODEL)
+    checkpoints, env = slow_file_system.path / "ckpt", launchers.environment(PYTHONPATH=str(tmp_path))
+
+    def resume(max_steps, timeout=120):
+        command = launchers.command("mpirun", 2, "hvd_sgd.train", [*wide_run(checkpoints), "--max-steps", max_steps,
+                                                                    "--resume"])
+        return subprocess.run(slow_file_system.command(command), cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    succeeded(launch("mpirun", 2, *wide_run(checkpoints), "--max-steps", 20, env=dict(PYTHONPATH=str(tmp_path))))
+    slow_file_system.remount()
+    slow_file_system.throttle(read=3 << 20)
+    resumed = succeeded(resume(21))
+    assert f"Resuming from {checkpoints}/ckpt-20" in output_lines(resumed.stdout)
+
+    slow_file_system.remount()
+    slow_file_system.throttle(read=1)  # a page in an hour
+    hung = resume(22, timeout=60)
+    lines = [line for line in output_lines(hung.stderr) if "hvd_sgd" in line]
+    assert hung.returncode != 0 and len(lines) == 1, hung.stderr[-3000:]
+    assert f"rank 0 ({os.uname().nodename}) is stuck in {checkpoints} (a hung file system?)" in lines[0]
 
 
 def test_heartbeat_directories_left_by_killed_jobs_are_swept(tmp_path):
