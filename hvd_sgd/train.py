@@ -31,20 +31,22 @@ def main(argv=None):
     if not cfg.elastic:  # from now on a stop signal waits for fit's first check instead of ending the process
         preemption.listen(cfg.stall_timeout)
     world = _start(cfg)
+    watchdog = _watchdog(world, cfg)
     with _together(world, cfg):  # a rank that cannot read the data, or import the model, stops them all
-        splits = datasets.load(cfg.dataset, cfg.data_dir).subset(cfg.train_examples, cfg.test_examples)
+        with watchdog.file_work(datasets.location(cfg.dataset, cfg.data_dir)):  # slow is no stall, hung is
+            splits = datasets.load(cfg.dataset, cfg.data_dir).subset(cfg.train_examples, cfg.test_examples)
         model_fn = models.resolve(cfg.model)
-    fit(model_fn, splits, cfg, world)
+    fit(model_fn, splits, cfg, world, watchdog)
 
 
-def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
+def fit(model_fn, splits, cfg=config.TrainConfig(), world=None, watchdog=None):
     """Train ``model_fn(input_shape, num_classes)`` on ``splits`` (a datasets.Splits) as ``cfg``
     says, on every rank of the job; the run's summary (what ``--metrics-file`` holds)."""
     # 1. Start Horovod (unless the caller has): one GPU per rank by local rank, its share of the cores.
     world = world or _start(cfg)
     started = dict(world.started, data=time.time())  # where start-up's seconds go, for the summary
     import horovod.tensorflow as hvd  # its extension loads: startup.start checked it does
-    watchdog = Watchdog(world, None if cfg.elastic else cfg.stall_timeout).start()  # a frozen rank ends the job
+    watchdog = watchdog or _watchdog(world, cfg)
     # A signal stops every rank after the same step, with a checkpoint of it. Elastic mode: a
     # signalled worker is a lost one, and the others go on.
     stop = None if cfg.elastic else preemption.listen(cfg.stall_timeout)
@@ -105,7 +107,7 @@ def fit(model_fn, splits, cfg=config.TrainConfig(), world=None):
                     if not cfg.resume:
                         world.log(f"Slurm requeued job {os.environ.get('SLURM_JOB_ID')} (restart "
                                   f"{os.environ['SLURM_RESTART_COUNT']}): resuming, as --resume would")
-                    checkpoints.restore_latest(watchdog.progress)
+                    checkpoints.restore_latest()
     state = distributed.tf_variables(model.variables + optimizer.variables) + [step]
     if not cfg.elastic:  # elastic: hvd.elastic.run broadcasts rank 0's state at every (re)start
         hvd.broadcast_variables(state, root_rank=0)
@@ -151,6 +153,12 @@ def _start(cfg):
     """startup.start as ``cfg`` says. hvd_sgd's watchdog, not Horovod's stall check, ends a stalled
     job; elastic mode runs no watchdog and keeps Horovod's check."""
     return startup.start(cfg.threads_per_rank, cfg.stall_timeout if cfg.elastic else None, cfg.bind_cpus)
+
+
+def _watchdog(world, cfg):
+    """From here on a frozen rank, or a hung file system, ends the job. Elastic mode: Horovod
+    handles lost workers (a watchdog that watches nothing)."""
+    return Watchdog(world, None if cfg.elastic else cfg.stall_timeout).start()
 
 
 def _together(world, cfg):

@@ -9,10 +9,12 @@ for that rank too. So each rank runs a thread that
   and its host to a heartbeat file, in a directory every node sees (see ``heartbeat_root``);
 - watches: when its rank has made no progress for ``timeout`` seconds, nor rank 0 (which evaluates
   and writes checkpoints alone while the others wait for it), it names the ranks whose heartbeat
-  stopped (a frozen process stops beating) and their hosts, prints one line (the lowest live rank
-  does), and exits the process with status 1, which makes the launcher end the job.
+  stopped (a frozen process stops beating), or else those stuck in their files (a hung file
+  system), and their hosts, prints one line (the lowest live rank does), and exits the process
+  with status 1, which makes the launcher end the job.
 """
 import atexit
+import collections
 import contextlib
 import glob
 import os
@@ -26,6 +28,10 @@ import time
 
 BEAT_SECONDS = 1.0
 STALE_SECONDS = 24 * 3600  # a live job's heartbeat directory changes every second
+
+# A rank's heartbeat as another rank reads it: its age, the seconds that rank had then gone without
+# progress, its host, and the files it was working in ("" if none).
+Beat = collections.namedtuple("Beat", "age idle host working_in")
 
 
 def heartbeat_root():
@@ -61,7 +67,7 @@ class Watchdog:
         self.timeout = timeout
         self.rank, self.size, self.host = world.rank, world.size, socket.gethostname()
         self.step, self.last_progress = 0, time.monotonic()
-        self.working_in, self.written = None, 0  # where rank 0 reads or writes a checkpoint, while it does; its bytes
+        self.working_in, self.file_state = None, None  # the files this rank works in, while it does; their state
         self.stopped = threading.Event()
 
     def start(self):
@@ -87,11 +93,12 @@ class Watchdog:
         self.step, self.last_progress = self.step if step is None else step, time.monotonic()
 
     @contextlib.contextmanager
-    def file_work(self, directory):
-        """Rank 0 reads or writes in ``directory`` alone while the others wait for it. Its files
-        growing is progress, as ``progress()`` is: a slow file system is no stall, a hung one is."""
-        self.working_in = directory  # first: its file system may hang in the next line already
-        self.written = _bytes_under(directory)
+    def file_work(self, path):
+        """This rank reads or writes the file ``path`` or the files under it (data, a checkpoint),
+        which may take longer than the timeout. The files growing, or this process's positions in
+        them moving, is progress: a slow file system is no stall, a hung one is."""
+        self.working_in = os.path.realpath(path)  # first: its file system may hang in the next line
+        self.file_state = _file_state(self.working_in)
         try:
             yield
         finally:
@@ -110,9 +117,9 @@ class Watchdog:
                 # This process was stopped itself (a suspended job: scontrol suspend, gang
                 # scheduling) or starved of CPU: no other rank's fault. The clock starts again.
                 self.last_progress = woke
-            directory = self.working_in
-            if directory is not None and (written := _bytes_under(directory)) != self.written:
-                self.written, self.last_progress = written, woke
+            path = self.working_in
+            if path is not None and (state := _file_state(path)) != self.file_state:
+                self.file_state, self.last_progress = state, woke
             self._beat()
             if woke - self.last_progress > self.timeout and not self._rank_0_progresses():
                 self._fire()
@@ -121,20 +128,19 @@ class Watchdog:
         path = os.path.join(self.directory, f"rank-{self.rank}")
         try:
             with open(path + ".tmp", "w") as f:
-                f.write(f"{self.step} {time.monotonic() - self.last_progress:.1f} {self.host}")
+                f.write(f"{self.step} {time.monotonic() - self.last_progress:.1f} {self.host} {self.working_in or ''}")
             os.replace(path + ".tmp", path)
         except OSError:
             pass  # the directory went away at the end of the job
 
     def _heartbeat(self, rank):
-        """``rank``'s last beat: (its age in seconds, the seconds that rank had then gone without
-        progress, its host); None if it never beat or is not visible from this node."""
+        """``rank``'s last Beat; None if it never beat or is not visible from this node."""
         path = os.path.join(self.directory, f"rank-{rank}")
         try:
             age = time.time() - os.path.getmtime(path)
             with open(path) as f:
-                _, idle, host = f.read().split()
-            return age, float(idle), host
+                _, idle, host, *working_in = f.read().split(" ", 3)
+            return Beat(age, float(idle), host, "".join(working_in))
         except (OSError, ValueError):
             return None
 
@@ -142,22 +148,25 @@ class Watchdog:
         """Rank 0 beats and made progress within the timeout: it evaluates (or works) alone, and this
         rank waits for it. Read only while this rank is idle, so mostly never."""
         beat = None if self.rank == 0 else self._heartbeat(0)
-        return beat is not None and beat[0] <= 3 * BEAT_SECONDS and beat[1] <= self.timeout
+        return beat is not None and beat.age <= 3 * BEAT_SECONDS and beat.idle <= self.timeout
 
     def _fire(self):
-        frozen = {}  # rank: host
+        frozen, stuck = {}, {}  # rank: host; files: ["rank (host)", ...]
         for rank in range(self.size):
             beat = self._heartbeat(rank)
-            if beat is None or beat[0] > max(3 * BEAT_SECONDS, self.timeout / 4):
-                frozen[rank] = beat[2] if beat else "host unknown"
+            if beat is None or beat.age > max(3 * BEAT_SECONDS, self.timeout / 4):
+                frozen[rank] = beat.host if beat else "host unknown"
+            elif beat.working_in:
+                stuck.setdefault(beat.working_in, []).append(f"{rank} ({beat.host})")
         alive = [r for r in range(self.size) if r not in frozen]
         # The lowest live rank reports. A rank that was itself frozen (its own heartbeat is stale)
         # and is woken by the launcher's SIGCONT before its SIGTERM says nothing.
         if alive and self.rank == alive[0]:
             if frozen:
                 who = f"rank(s) {', '.join(f'{r} ({host})' for r, host in frozen.items())} stopped responding"
-            elif self.working_in is not None:
-                who = f"rank {self.rank} ({self.host}) is stuck in {self.working_in} (a hung file system?)"
+            elif stuck:
+                who = "; ".join(f"rank(s) {', '.join(ranks)} stuck in {files}" for files, ranks in stuck.items())
+                who += " (a hung file system?)"
             else:
                 who = "no rank stopped responding, but a collective operation is blocked"
             sys.stderr.write(f"hvd_sgd: error: no training step finished for {self.timeout:.0f} s after step "
@@ -168,11 +177,19 @@ class Watchdog:
         os._exit(1)
 
 
-def _bytes_under(directory):
-    """The size of the files under ``directory``; it changes as a checkpoint is written."""
-    total = 0
-    for root, _, names in os.walk(directory):
-        for name in names:
-            with contextlib.suppress(OSError):  # a temporary file renamed away meanwhile
-                total += os.stat(os.path.join(root, name)).st_size
-    return total
+def _file_state(path):
+    """What changes as this process reads or writes the file ``path`` or the files under it: their
+    sizes, and its positions in those it holds open."""
+    files = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names] \
+        if os.path.isdir(path) else [path]
+    sizes, positions = [], []
+    for file in files:
+        with contextlib.suppress(OSError):  # a temporary file renamed away meanwhile
+            sizes.append(os.stat(file).st_size)
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target == path or target.startswith(path + os.sep):
+                with open(f"/proc/self/fdinfo/{fd}") as f:
+                    positions.append(f.readline())  # "pos:\t<offset>"
+    return sizes, positions
