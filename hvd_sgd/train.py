@@ -33,7 +33,7 @@ def main(argv=None):
     world = _start(cfg)
     watchdog = _watchdog(world, cfg)
     with _together(world, cfg):  # a rank that cannot read the data, or import the model, stops them all
-        with watchdog.file_work(datasets.location(cfg.dataset, cfg.data_dir)):  # slow is no stall, hung is
+        with watchdog.file_work(datasets.location(cfg.dataset, cfg.data_dir)):  # slow reads are no stall
             splits = datasets.load(cfg.dataset, cfg.data_dir).subset(cfg.train_examples, cfg.test_examples)
         model_fn = models.resolve(cfg.model)
     fit(model_fn, splits, cfg, world, watchdog)

@@ -5,8 +5,9 @@ A rank that dies is noticed by the launcher, which ends the job. A rank that is 
 all-reduce for ever, and Horovod's own stall check cannot run because its coordination waits
 for that rank too. So each rank runs a thread that
 
-- beats: every second it writes the rank's last finished step, the seconds since its last progress
-  and its host to a heartbeat file, in a directory every node sees (see ``heartbeat_root``);
+- beats: every second it writes the rank's last finished step, the seconds since its last progress,
+  its host and the files it works in (if it does) to a heartbeat file, in a directory every node
+  sees (see ``heartbeat_root``);
 - watches: when its rank has made no progress for ``timeout`` seconds, nor rank 0 (which evaluates
   and writes checkpoints alone while the others wait for it), it names the ranks whose heartbeat
   stopped (a frozen process stops beating), or else those stuck in their files (a hung file
@@ -150,6 +151,14 @@ class Watchdog:
         beat = None if self.rank == 0 else self._heartbeat(0)
         return beat is not None and beat.age <= 3 * BEAT_SECONDS and beat.idle <= self.timeout
 
+    def _first_to_report(self):
+        """Whether this rank is the first to report the job's end (one file, created once)."""
+        try:
+            os.close(os.open(os.path.join(self.directory, "reported"), os.O_CREAT | os.O_EXCL))
+            return True
+        except OSError:
+            return False
+
     def _fire(self):
         frozen, stuck = {}, {}  # rank: host; files: ["rank (host)", ...]
         for rank in range(self.size):
@@ -159,9 +168,11 @@ class Watchdog:
             elif beat.working_in:
                 stuck.setdefault(beat.working_in, []).append(f"{rank} ({beat.host})")
         alive = [r for r in range(self.size) if r not in frozen]
-        # The lowest live rank reports. A rank that was itself frozen (its own heartbeat is stale)
-        # and is woken by the launcher's SIGCONT before its SIGTERM says nothing.
-        if alive and self.rank == alive[0]:
+        # The lowest live rank reports, unless a rank has reported already: it exits at once, and to
+        # a rank that fires seconds later (it began waiting later) it looks frozen. A rank that was
+        # itself frozen (its own heartbeat is stale) and is woken by the launcher's SIGCONT before
+        # its SIGTERM says nothing.
+        if alive and self.rank == alive[0] and self._first_to_report():
             if frozen:
                 who = f"rank(s) {', '.join(f'{r} ({host})' for r, host in frozen.items())} stopped responding"
             elif stuck:
