@@ -367,6 +367,25 @@ def model(input_shape, num_classes):  # 3.2 M weights: 25 MB a checkpoint with t
 """
 
 
+def assert_ends_naming_stuck(status, stderr, ranks, path):
+    """The job failed with one line naming ``ranks`` (on this host) stuck in ``path``."""
+    lines = [line for line in output_lines(stderr) if "hvd_sgd" in line]
+    assert status != 0 and len(lines) == 1, stderr[-3000:]
+    stuck = ", ".join(f"{rank} ({os.uname().nodename})" for rank in ranks)
+    assert f"rank(s) {stuck} stuck in {path} (a hung file system?)" in lines[0]
+
+
+def reads_slow_then_hung(slow_file_system, run):
+    """``run(timeout)`` with the file system's page cache emptied: it must succeed with reads at
+    3 MB/s; returned, what it does with reads hung."""
+    slow_file_system.remount()
+    slow_file_system.throttle(read=3 << 20)
+    slow = succeeded(run(120))
+    slow_file_system.remount()
+    slow_file_system.throttle(read=1)  # a page in an hour
+    return slow, run(60)
+
+
 def wide_run(checkpoints):
     return ["--model", "wide:model", "--train-examples", 8192, "--test-examples", 100, "--stall-timeout", 5,
             "--checkpoint-dir", checkpoints]
@@ -388,9 +407,7 @@ def test_a_checkpoint_written_slower_than_the_stall_timeout_is_no_stall_but_a_hu
     psutil.wait_procs([rank_1], timeout=60)
     slow_file_system.thaw()
     status, stdout, stderr = ended_within(run, 60)
-    lines = [line for line in output_lines(stderr) if "hvd_sgd" in line]
-    assert status != 0 and len(lines) == 1, stderr[-3000:]
-    assert f"rank(s) 0 ({os.uname().nodename}) stuck in {checkpoints} (a hung file system?)" in lines[0]
+    assert_ends_naming_stuck(status, stderr, [0], checkpoints)
 
 
 def test_a_checkpoint_read_slower_than_the_stall_timeout_is_no_stall_but_a_hung_read_is(slow_file_system, tmp_path):
@@ -399,24 +416,16 @@ def test_a_checkpoint_read_slower_than_the_stall_timeout_is_no_stall_but_a_hung_
     (tmp_path / "wide.py").write_text(WIDE_MODEL)
     checkpoints, env = slow_file_system.path / "ckpt", launchers.environment(PYTHONPATH=str(tmp_path))
 
-    def resume(max_steps, timeout=120):
-        command = launchers.command("mpirun", 2, "hvd_sgd.train", [*wide_run(checkpoints), "--max-steps", max_steps,
-                                                                    "--resume"])
-        return subprocess.run(slow_file_system.command(command), cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+    command = slow_file_system.command(launchers.command("mpirun", 2, "hvd_sgd.train", [
+        *wide_run(checkpoints), "--max-steps", 21, "--resume"]))
+
+    def resume(timeout):
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
     succeeded(launch("mpirun", 2, *wide_run(checkpoints), "--max-steps", 20, env=dict(PYTHONPATH=str(tmp_path))))
-    slow_file_system.remount()
-    slow_file_system.throttle(read=3 << 20)
-    resumed = succeeded(resume(21))
+    resumed, hung = reads_slow_then_hung(slow_file_system, resume)
     assert f"Resuming from {checkpoints}/ckpt-20" in output_lines(resumed.stdout)
-
-    slow_file_system.remount()
-    slow_file_system.throttle(read=1)  # a page in an hour
-    hung = resume(22, timeout=60)
-    lines = [line for line in output_lines(hung.stderr) if "hvd_sgd" in line]
-    assert hung.returncode != 0 and len(lines) == 1, hung.stderr[-3000:]
-    assert f"rank(s) 0 ({os.uname().nodename}) stuck in {checkpoints} (a hung file system?)" in lines[0]
+    assert_ends_naming_stuck(hung.returncode, hung.stderr, [0], checkpoints)
 
 
 def test_data_read_slower_than_the_stall_timeout_is_no_stall_but_a_hung_read_is(slow_file_system):
@@ -432,16 +441,8 @@ def test_data_read_slower_than_the_stall_timeout_is_no_stall_but_a_hung_read_is(
         return subprocess.run(command, cwd=ROOT, env=launchers.environment(), capture_output=True, text=True,
                               timeout=timeout)
 
-    slow_file_system.remount()
-    slow_file_system.throttle(read=3 << 20)
-    succeeded(train(120))
-    slow_file_system.remount()
-    slow_file_system.throttle(read=1)  # a page in an hour
-    hung = train(60)
-    lines = [line for line in output_lines(hung.stderr) if "hvd_sgd" in line]
-    host = os.uname().nodename
-    assert hung.returncode != 0 and len(lines) == 1, hung.stderr[-3000:]
-    assert f"rank(s) 0 ({host}), 1 ({host}) stuck in {data} (a hung file system?)" in lines[0]
+    _, hung = reads_slow_then_hung(slow_file_system, train)
+    assert_ends_naming_stuck(hung.returncode, hung.stderr, [0, 1], data)
 
 
 def test_heartbeat_directories_left_by_killed_jobs_are_swept(tmp_path):
