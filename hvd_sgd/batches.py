@@ -12,7 +12,7 @@ an epoch then covers fewer examples (or, grown, wraps around its permutation).
 import numpy as np
 import tensorflow as tf
 
-from hvd_sgd import JobError
+from hvd_sgd import JobError, datasets
 
 
 def steps_per_epoch(num_examples, per_rank_batch, world_size, micro_batches=1):
@@ -70,16 +70,27 @@ class _Examples:
     """The training set and the batches' rows of indices, as tensors."""
 
     def __init__(self, splits, indices):
-        self.images, self.labels = tf.constant(splits.x_train), tf.constant(splits.y_train)
-        self.rows = tf.constant(indices)
+        self.images, self.labels, self.rows = as_tensor(splits.x_train), as_tensor(splits.y_train), as_tensor(indices)
 
     def gather(self, batch):
         return to_model_input(tf.gather(self.images, batch)), tf.cast(tf.gather(self.labels, batch), tf.int32)
 
 
 def test_batches(splits, batch_size=1000):
-    return _without_autotuner(tf.data.Dataset.from_tensor_slices((splits.x_test, splits.y_test.astype(np.int32)))
-                              .batch(batch_size).map(lambda x, y: (to_model_input(x), y)).prefetch(2))
+    return _without_autotuner(tf.data.Dataset.from_tensor_slices((as_tensor(splits.x_test), as_tensor(splits.y_test)))
+                              .batch(batch_size).map(lambda x, y: (to_model_input(x), tf.cast(y, tf.int32))).prefetch(2))
+
+
+def as_tensor(array):
+    """``array`` as a CPU tensor that shares its memory (through DLPack), after a copy into aligned
+    memory unless it is there already (datasets reads into such): tf.constant would hold two more
+    copies at once, which for a large training set decides whether it fits (docs/benchmarks.md,
+    "Memory"). Neither may change while the other is in use."""
+    if not (array.flags.c_contiguous and array.flags.writeable and array.ctypes.data % datasets.ALIGNMENT == 0):
+        aligned = datasets.aligned_empty(array.shape, array.dtype)
+        aligned[...] = array
+        array = aligned
+    return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
 
 
 def to_model_input(images):

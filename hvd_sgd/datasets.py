@@ -45,6 +45,11 @@ IDX_FILES = {
     "y_test": ("t10k-labels-idx1-ubyte", 1),
 }
 IDX_UNSIGNED_BYTE = 0x08
+NPY_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+# Arrays are read into memory aligned like this, which TensorFlow takes over without a copy
+# (batches.as_tensor); its own conversion holds two more copies of a training set at once.
+ALIGNMENT = 64
+READ_CHUNK = 8 << 20
 INSTALL_HINT = "run run/setup (or python -m hvd_sgd.datasets)"
 
 
@@ -117,8 +122,7 @@ def load_mnist():
         if os.access(data_dir(), os.W_OK):  # else (a reader of a shared installation) convert in memory
             _write_npz_atomically(converted, **arrays)
         return Splits("mnist", **arrays)
-    with np.load(converted, allow_pickle=False) as arrays:
-        return Splits("mnist", **arrays)
+    return Splits("mnist", **_read_npz_arrays(converted))
 
 
 def _mnist_from_wheel():
@@ -181,24 +185,26 @@ def read_idx(path, ndim):
     """Read an unsigned-byte IDX file with ``ndim`` dimensions; a malformed file is a JobError."""
     try:
         with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
-            raw = f.read()
+            magic = f.read(4)
+            if len(magic) < 4 or magic[0:2] != b"\0\0":
+                raise JobError(f"{path}: not an IDX file (bad magic number {magic.hex() or 'empty'})")
+            if magic[2] != IDX_UNSIGNED_BYTE:
+                raise JobError(f"{path}: IDX data type 0x{magic[2]:02x} is not unsigned byte (0x08)")
+            if magic[3] != ndim:
+                raise JobError(f"{path}: expected {ndim} dimension(s), the header says {magic[3]}")
+            sizes = f.read(4 * ndim)
+            if len(sizes) < 4 * ndim:
+                raise JobError(f"{path}: truncated header ({4 + len(sizes)} bytes)")
+            dims = struct.unpack(f">{ndim}I", sizes)
+            array = aligned_empty(dims, np.uint8)
+            header, got = 4 + 4 * ndim, _read_into(f, array)
+            if got < array.nbytes:
+                raise JobError(f"{path}: truncated: {header + got} bytes, the header {dims} says {header + array.nbytes}")
+            if f.read(1):
+                raise JobError(f"{path}: has trailing bytes after the {header + array.nbytes} the header {dims} says")
     except (OSError, EOFError) as e:
         raise JobError(f"{path}: cannot read: {e}") from None
-    if len(raw) < 4 or raw[0:2] != b"\0\0":
-        raise JobError(f"{path}: not an IDX file (bad magic number {raw[:4].hex() or 'empty'})")
-    if raw[2] != IDX_UNSIGNED_BYTE:
-        raise JobError(f"{path}: IDX data type 0x{raw[2]:02x} is not unsigned byte (0x08)")
-    if raw[3] != ndim:
-        raise JobError(f"{path}: expected {ndim} dimension(s), the header says {raw[3]}")
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise JobError(f"{path}: truncated header ({len(raw)} bytes)")
-    dims = struct.unpack(f">{ndim}I", raw[4:header])
-    expected = header + int(np.prod(dims))
-    if len(raw) != expected:
-        what = "truncated" if len(raw) < expected else "has trailing bytes"
-        raise JobError(f"{path}: {what}: {len(raw)} bytes, the header {dims} says {expected}")
-    return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
+    return array
 
 
 def read_idx_dir(directory, name):
@@ -218,11 +224,7 @@ def read_npz(path):
     """``x_train, y_train, x_test, y_test`` from one .npz (no pickles): uint8 images [n, h, w] or
     [n, h, w, channels], integer labels."""
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            missing = [key for key in IDX_FILES if key not in npz.files]
-            if missing:
-                raise JobError(f"{path}: missing array(s) {', '.join(missing)} (needs {', '.join(IDX_FILES)})")
-            arrays = {key: npz[key] for key in IDX_FILES}
+        arrays = _read_npz_arrays(path)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
         raise JobError(f"{path}: cannot read as .npz: {first_line(e)}") from None
     return _checked(path, os.path.splitext(os.path.basename(path))[0], arrays)
@@ -233,7 +235,7 @@ def _checked(source, name, arrays):
     problem = _problem(arrays)
     if problem:
         raise JobError(f"{source}: {problem}")
-    return Splits(name, **{k: arrays[k] if k.startswith("x") else arrays[k].astype(np.uint8) for k in IDX_FILES})
+    return Splits(name, **{k: arrays[k] if k.startswith("x") else arrays[k].astype(np.uint8, copy=False) for k in IDX_FILES})
 
 
 def _problem(arrays):
@@ -260,6 +262,53 @@ def _problem(arrays):
     if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
         return f"train images are {arrays['x_train'].shape[1:]}, test images {arrays['x_test'].shape[1:]}"
     return None
+
+
+# --- reading into memory TensorFlow can take over --------------------------------------------
+
+def aligned_empty(shape, dtype):
+    """An uninitialised C-contiguous array whose data starts on an ALIGNMENT-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _read_into(f, array):
+    """Fill ``array`` from ``f`` in chunks (each moves the file's position: the watchdog's sign of
+    progress); the bytes read, fewer than ``array.nbytes`` at the end of the file."""
+    view, done = memoryview(array.reshape(-1).view(np.uint8)), 0
+    while done < len(view):
+        n = f.readinto(view[done:done + READ_CHUNK])
+        if not n:
+            break
+        done += n
+    return done
+
+
+def _read_npz_arrays(path):
+    """``x_train, y_train, x_test, y_test`` of an .npz, each read into aligned memory (np.load's is
+    not); no pickles, as np.load(allow_pickle=False)."""
+    with zipfile.ZipFile(path) as z:
+        missing = [key for key in IDX_FILES if f"{key}.npy" not in z.namelist()]
+        if missing:
+            raise JobError(f"{path}: missing array(s) {', '.join(missing)} (needs {', '.join(IDX_FILES)})")
+        return {key: _read_npy(z, key) for key in IDX_FILES}
+
+
+def _read_npy(z, key):
+    with z.open(f"{key}.npy") as f:
+        version = np.lib.format.read_magic(f)
+        if version not in NPY_HEADER_READERS:
+            raise ValueError(f"{key}: .npy format version {version} is not supported")
+        shape, fortran_order, dtype = NPY_HEADER_READERS[version](f)
+        if dtype.hasobject:
+            raise ValueError(f"{key} holds Python objects, which hvd_sgd does not unpickle")
+        array = aligned_empty(shape[::-1] if fortran_order else shape, dtype)
+        if _read_into(f, array) < array.nbytes:
+            raise ValueError(f"{key} is truncated")
+        return array.T if fortran_order else array
 
 
 def main(argv=None):

@@ -84,14 +84,17 @@ def test_the_mnist_pickle_is_not_unpickled_unless_its_hash_matches():
 
 # --- .npz files ------------------------------------------------------------------------------------
 
-def test_reads_an_npz_of_four_arrays(tmp_path):
+@pytest.mark.parametrize("save", [np.savez, np.savez_compressed])
+def test_reads_an_npz_of_four_arrays(tmp_path, save):
     arrays = random_arrays(n_train=20, n_test=6, shape=(5, 3))
     arrays["y_train"] = arrays["y_train"].astype(np.int64)  # any integer labels
-    np.savez(tmp_path / "mine.npz", **arrays)
+    arrays["x_test"] = np.asfortranarray(arrays["x_test"])  # any memory order
+    save(tmp_path / "mine.npz", **arrays)
     splits = datasets.load("mnist", str(tmp_path / "mine.npz"))
     assert splits.name == "mine" and splits.image_shape == (5, 3)
     for key in datasets.IDX_FILES:
         np.testing.assert_array_equal(getattr(splits, key), arrays[key])
+    assert splits.x_train.ctypes.data % datasets.ALIGNMENT == 0  # TensorFlow takes it over without a copy
     assert splits.input_shape == (5, 3, 1)  # grayscale: one channel
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PYTHON, ROOT, error_lines, launch, read_json, reported_accuracy, succeeded
+from conftest import PYTHON, ROOT, error_lines, launch, output_lines, read_json, reported_accuracy, succeeded
 from hvd_sgd import JobError, datasets, launchers
 
 
@@ -66,6 +66,29 @@ def test_colour_images_train_in_both_programs(tmp_path):
     assert tf.keras.models.load_model(tmp_path / "m.keras").input_shape == (None, 14, 14, 3)
     assert reported_accuracy(succeeded(launch("python", 1, *data, "--steps", 30, "--lr", 0.5,
                                               module="hvd_sgd.train_v1"))) > 0.9
+
+
+# Each rank runs its program under this, which prints the program's peak resident memory.
+PEAK_MEMORY = ("import resource, subprocess, sys; status = subprocess.call(sys.argv[1:]); "
+               "print('peak KiB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(status)")
+
+
+def peak_memory_of_ranks(data):
+    result = succeeded(launch("mpirun", 2, "--model", "softmax", "--data-dir", data, "--max-steps", 3,
+                              wrapper=(PYTHON, "-c", PEAK_MEMORY)))
+    return max(int(line.split()[-1]) for line in output_lines(result.stdout) if line.startswith("peak KiB")) * 1024
+
+
+def test_a_rank_holds_its_training_set_once_in_memory(tmp_path):
+    """TensorFlow's own conversion of a numpy training set held two more copies of it at once:
+    each rank's peak grew by three times the data (a 1-GB .npz: 3.4 GB)."""
+    images = np.full((200_000, 32, 32), 7, np.uint8)  # 205 MB
+    labels = np.arange(200_000) % 10
+    np.savez(tmp_path / "large.npz", x_train=images, y_train=labels, x_test=images[:100], y_test=labels[:100])
+    np.savez(tmp_path / "small.npz", x_train=images[:1000], y_train=labels[:1000], x_test=images[:100],
+             y_test=labels[:100])
+    grown = peak_memory_of_ranks(tmp_path / "large.npz") - peak_memory_of_ranks(tmp_path / "small.npz")
+    assert grown < 1.3 * images.nbytes, f"{grown / 1e6:.0f} MB more for {images.nbytes / 1e6:.0f} MB of images"
 
 
 BATCH_NORM_MODEL = """
