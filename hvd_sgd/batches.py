@@ -32,15 +32,18 @@ def epoch_order(num_examples, seed, epoch):
 
 
 def rank_batch_indices(num_examples, rank_batch, world_size, rank, seed, first_step, last_step, per_epoch):
-    """Example indices of this rank's batches for global steps [first_step, last_step): [steps, rank_batch]."""
+    """Example indices of this rank's batches for global steps [first_step, last_step): [steps, rank_batch].
+    One epoch's permutation at a time: a run's worth of them at once took a rank seconds and GBs."""
     global_batch = rank_batch * world_size
-    epochs = range(first_step // per_epoch, -(-last_step // per_epoch))
-    batches = np.concatenate([
-        np.resize(epoch_order(num_examples, seed, epoch), per_epoch * global_batch)
-        .reshape(per_epoch, world_size, rank_batch)[:, rank]
-        for epoch in epochs])
-    start = first_step - epochs.start * per_epoch
-    return batches[start:start + last_step - first_step]
+    indices = np.empty((last_step - first_step, rank_batch), np.int64)
+    for epoch in range(first_step // per_epoch, -(-last_step // per_epoch)):
+        begin, end = max(first_step, epoch * per_epoch), min(last_step, (epoch + 1) * per_epoch)
+        order = epoch_order(num_examples, seed, epoch)
+        if len(order) < per_epoch * global_batch:  # an elastic job grown since the epoch was fixed: wrap around
+            order = np.resize(order, per_epoch * global_batch)
+        epoch_batches = order[:per_epoch * global_batch].reshape(per_epoch, world_size, rank_batch)
+        indices[begin - first_step:end - first_step] = epoch_batches[begin - epoch * per_epoch:end - epoch * per_epoch, rank]
+    return indices
 
 
 def step_batches(splits, indices):

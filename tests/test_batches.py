@@ -61,7 +61,7 @@ def test_epochs_are_reshuffled_and_seeds_differ():
     assert not np.array_equal(first, batches.epoch_order(500, 4, 0))
 
 
-@pytest.mark.parametrize("first,last", [(0, 7), (5, 29), (10, 11), (19, 41)])
+@pytest.mark.parametrize("first,last", [(0, 7), (5, 29), (10, 11), (19, 41), (20, 20)])
 def test_a_resumed_run_continues_the_same_sequence(first, last):
     full = indices(640, 16, 2, 1, 0, 50)
     np.testing.assert_array_equal(indices(640, 16, 2, 1, first, last), full[first:last])

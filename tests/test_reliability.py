@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from conftest import (PYTHON, ROOT, assert_same_weights, error_lines, launch, output_lines, rank_exits, read_json,
-                      random_arrays, saved_weights, succeeded, write_dataset, write_idx)
+                      random_arrays, reported_accuracy, saved_weights, succeeded, write_dataset, write_idx)
 from hvd_sgd import launchers, watchdog
 
 
@@ -479,6 +479,17 @@ def test_damaged_latest_checkpoint_is_reported_and_the_previous_one_used(tmp_pat
     assert sum("Skipping damaged checkpoint" in line and "ckpt-40" in line for line in lines) == 1
     assert any(line.startswith("Resuming from") and line.endswith("ckpt-20") for line in lines)
     assert_same_weights(saved_weights(straight), saved_weights(resumed))
+
+
+def test_a_finished_run_resumed_again_reports_its_result_and_trains_no_more(tmp_path):
+    """A job script that always passes --resume, run again once its run has finished: when the
+    last step ended an epoch (as --epochs does), it crashed with a traceback."""
+    run = ["--model", "softmax", "--train-examples", 1024, "--test-examples", 500, "--epochs", 1,
+           "--checkpoint-dir", tmp_path / "ckpt"]
+    finished = succeeded(launch("mpirun", 2, *run))
+    again = succeeded(launch("mpirun", 2, *run, "--resume"))
+    assert reported_accuracy(again) == reported_accuracy(finished)
+    assert not any(line.startswith("step ") for line in output_lines(again.stdout))
 
 
 def test_divergence_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
