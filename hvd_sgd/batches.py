@@ -38,11 +38,12 @@ def rank_batch_indices(num_examples, rank_batch, world_size, rank, seed, first_s
     indices = np.empty((last_step - first_step, rank_batch), np.int64)
     for epoch in range(first_step // per_epoch, -(-last_step // per_epoch)):
         begin, end = max(first_step, epoch * per_epoch), min(last_step, (epoch + 1) * per_epoch)
+        start = epoch * per_epoch
         order = epoch_order(num_examples, seed, epoch)
         if len(order) < per_epoch * global_batch:  # an elastic job grown since the epoch was fixed: wrap around
             order = np.resize(order, per_epoch * global_batch)
         epoch_batches = order[:per_epoch * global_batch].reshape(per_epoch, world_size, rank_batch)
-        indices[begin - first_step:end - first_step] = epoch_batches[begin - epoch * per_epoch:end - epoch * per_epoch, rank]
+        indices[begin - first_step:end - first_step] = epoch_batches[begin - start:end - start, rank]
     return indices
 
 
@@ -80,8 +81,9 @@ class _Examples:
 
 
 def test_batches(splits, batch_size=1000):
-    return _without_autotuner(tf.data.Dataset.from_tensor_slices((as_tensor(splits.x_test), as_tensor(splits.y_test)))
-                              .batch(batch_size).map(lambda x, y: (to_model_input(x), tf.cast(y, tf.int32))).prefetch(2))
+    examples = tf.data.Dataset.from_tensor_slices((as_tensor(splits.x_test), as_tensor(splits.y_test)))
+    return _without_autotuner(examples.batch(batch_size).map(lambda x, y: (to_model_input(x), tf.cast(y, tf.int32)))
+                              .prefetch(2))
 
 
 def as_tensor(array):

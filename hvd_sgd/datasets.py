@@ -53,6 +53,15 @@ READ_CHUNK = 8 << 20
 INSTALL_HINT = "run run/setup (or python -m hvd_sgd.datasets)"
 
 
+def aligned_empty(shape, dtype):
+    """An uninitialised C-contiguous array whose data starts on an ALIGNMENT-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class Splits:
     """A dataset's train and test splits: images uint8 [n, height, width] (grayscale) or [n,
@@ -92,15 +101,16 @@ class Splits:
                                    x_test=self.x_test[test], y_test=self.y_test[test])
 
 
-def load(name, data_dir=None):
-    """``name`` (mnist, fashion_mnist) from the installation, or whatever ``data_dir`` holds."""
+def load(name, data_dir=None, allocate=aligned_empty):
+    """``name`` (mnist, fashion_mnist) from the installation, or whatever ``data_dir`` holds.
+    ``allocate(shape, dtype)`` gives the memory that each array is read into."""
     if data_dir:
-        return read_npz(data_dir) if data_dir.endswith(".npz") else read_idx_dir(data_dir, name)
+        return read_npz(data_dir, allocate) if data_dir.endswith(".npz") else read_idx_dir(data_dir, name, allocate)
     if name == "fashion_mnist":
         if not os.path.isdir(FASHION_MNIST_DIR):
             raise JobError(f"Fashion-MNIST is not installed ({FASHION_MNIST_DIR} is missing): {INSTALL_HINT}")
-        return read_idx_dir(FASHION_MNIST_DIR, name)
-    return load_mnist()
+        return read_idx_dir(FASHION_MNIST_DIR, name, allocate)
+    return load_mnist(allocate)
 
 
 def location(name, users_data=None):
@@ -115,14 +125,14 @@ def data_dir():
     return os.environ.get("HVD_SGD_CACHE") or os.path.join(sys.prefix, "share", "hvd_sgd")
 
 
-def load_mnist():
+def load_mnist(allocate=aligned_empty):
     converted = os.path.join(data_dir(), "mnist.npz")
     if not os.path.exists(converted):
         arrays = _mnist_from_wheel()
         if os.access(data_dir(), os.W_OK):  # else (a reader of a shared installation) convert in memory
             _write_npz_atomically(converted, **arrays)
         return Splits("mnist", **arrays)
-    return Splits("mnist", **_read_npz_arrays(converted))
+    return Splits("mnist", **_read_npz_arrays(converted, allocate))
 
 
 def _mnist_from_wheel():
@@ -181,7 +191,7 @@ def install_mnist():
 
 # --- users' files: IDX and npz ------------------------------------------------------------
 
-def read_idx(path, ndim):
+def read_idx(path, ndim, allocate=aligned_empty):
     """Read an unsigned-byte IDX file with ``ndim`` dimensions; a malformed file is a JobError."""
     try:
         with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
@@ -196,18 +206,19 @@ def read_idx(path, ndim):
             if len(sizes) < 4 * ndim:
                 raise JobError(f"{path}: truncated header ({4 + len(sizes)} bytes)")
             dims = struct.unpack(f">{ndim}I", sizes)
-            array = aligned_empty(dims, np.uint8)
+            array = allocate(dims, np.uint8)
             header, got = 4 + 4 * ndim, _read_into(f, array)
+            expected = header + array.nbytes
             if got < array.nbytes:
-                raise JobError(f"{path}: truncated: {header + got} bytes, the header {dims} says {header + array.nbytes}")
+                raise JobError(f"{path}: truncated: {header + got} bytes, the header {dims} says {expected}")
             if f.read(1):
-                raise JobError(f"{path}: has trailing bytes after the {header + array.nbytes} the header {dims} says")
+                raise JobError(f"{path}: has trailing bytes after the {expected} the header {dims} says")
     except (OSError, EOFError) as e:
         raise JobError(f"{path}: cannot read: {e}") from None
     return array
 
 
-def read_idx_dir(directory, name):
+def read_idx_dir(directory, name, allocate=aligned_empty):
     if not os.path.isdir(directory):
         raise JobError(f"{directory}: no such data directory")
     arrays = {}
@@ -216,15 +227,15 @@ def read_idx_dir(directory, name):
         path = next((p for p in candidates if os.path.exists(p)), None)
         if path is None:
             raise JobError(f"{directory}: missing {basename}[.gz]")
-        arrays[key] = read_idx(path, ndim)
+        arrays[key] = read_idx(path, ndim, allocate)
     return _checked(directory, name, arrays)
 
 
-def read_npz(path):
+def read_npz(path, allocate=aligned_empty):
     """``x_train, y_train, x_test, y_test`` from one .npz (no pickles): uint8 images [n, h, w] or
     [n, h, w, channels], integer labels."""
     try:
-        arrays = _read_npz_arrays(path)
+        arrays = _read_npz_arrays(path, allocate)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
         raise JobError(f"{path}: cannot read as .npz: {first_line(e)}") from None
     return _checked(path, os.path.splitext(os.path.basename(path))[0], arrays)
@@ -235,7 +246,8 @@ def _checked(source, name, arrays):
     problem = _problem(arrays)
     if problem:
         raise JobError(f"{source}: {problem}")
-    return Splits(name, **{k: arrays[k] if k.startswith("x") else arrays[k].astype(np.uint8, copy=False) for k in IDX_FILES})
+    labels_as_bytes = {k: arrays[k].astype(np.uint8, copy=False) for k in ("y_train", "y_test")}
+    return Splits(name, **{**arrays, **labels_as_bytes})
 
 
 def _problem(arrays):
@@ -266,15 +278,6 @@ def _problem(arrays):
 
 # --- reading into memory TensorFlow can take over --------------------------------------------
 
-def aligned_empty(shape, dtype):
-    """An uninitialised C-contiguous array whose data starts on an ALIGNMENT-byte boundary."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
 def _read_into(f, array):
     """Fill ``array`` from ``f`` in chunks (each moves the file's position: the watchdog's sign of
     progress); the bytes read, fewer than ``array.nbytes`` at the end of the file."""
@@ -287,17 +290,17 @@ def _read_into(f, array):
     return done
 
 
-def _read_npz_arrays(path):
+def _read_npz_arrays(path, allocate):
     """``x_train, y_train, x_test, y_test`` of an .npz, each read into aligned memory (np.load's is
     not); no pickles, as np.load(allow_pickle=False)."""
     with zipfile.ZipFile(path) as z:
         missing = [key for key in IDX_FILES if f"{key}.npy" not in z.namelist()]
         if missing:
             raise JobError(f"{path}: missing array(s) {', '.join(missing)} (needs {', '.join(IDX_FILES)})")
-        return {key: _read_npy(z, key) for key in IDX_FILES}
+        return {key: _read_npy(z, key, allocate) for key in IDX_FILES}
 
 
-def _read_npy(z, key):
+def _read_npy(z, key, allocate):
     with z.open(f"{key}.npy") as f:
         version = np.lib.format.read_magic(f)
         if version not in NPY_HEADER_READERS:
@@ -305,7 +308,7 @@ def _read_npy(z, key):
         shape, fortran_order, dtype = NPY_HEADER_READERS[version](f)
         if dtype.hasobject:
             raise ValueError(f"{key} holds Python objects, which hvd_sgd does not unpickle")
-        array = aligned_empty(shape[::-1] if fortran_order else shape, dtype)
+        array = allocate(shape[::-1] if fortran_order else shape, dtype)
         if _read_into(f, array) < array.nbytes:
             raise ValueError(f"{key} is truncated")
         return array.T if fortran_order else array

@@ -11,6 +11,7 @@ logs and writes files. ``fit`` is the recipe, for your own model and data too.
 """
 import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import math
 import os
@@ -20,7 +21,7 @@ import time
 import tensorflow as tf
 
 from hvd_sgd import (JobError, __version__, batches, checkpoint, config, datasets, distributed, files, models,
-                     preemption, schedules, startup)
+                     preemption, schedules, shared_data, startup)
 from hvd_sgd.watchdog import Watchdog
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -34,7 +35,9 @@ def main(argv=None):
     watchdog = _watchdog(world, cfg)
     with _together(world, cfg):  # a rank that cannot read the data, or import the model, stops them all
         with watchdog.file_work(datasets.location(cfg.dataset, cfg.data_dir)):  # slow reads are no stall
-            splits = datasets.load(cfg.dataset, cfg.data_dir).subset(cfg.train_examples, cfg.test_examples)
+            # One copy a node: its first rank reads, the others map (elastic: no collectives yet).
+            read = functools.partial(datasets.load, cfg.dataset, cfg.data_dir)
+            splits = (read() if cfg.elastic else shared_data.load(read)).subset(cfg.train_examples, cfg.test_examples)
         model_fn = models.resolve(cfg.model)
     fit(model_fn, splits, cfg, world, watchdog)
 

@@ -429,9 +429,9 @@ def test_a_checkpoint_read_slower_than_the_stall_timeout_is_no_stall_but_a_hung_
 
 
 def test_data_read_slower_than_the_stall_timeout_is_no_stall_but_a_hung_read_is(slow_file_system):
-    """Every rank reads --data-dir before it trains: 24 MB at 3 MB/s at --stall-timeout 5 is
-    progress; reads that hang end the job, naming the ranks and the file (before, such a job hung
-    for ever: no watchdog ran yet, and Horovod's own stall check is off)."""
+    """The node's first rank reads --data-dir while the others wait for it: 24 MB at 3 MB/s at
+    --stall-timeout 5 is progress; reads that hang end the job, naming the ranks and the file
+    (before, such a job hung for ever: no watchdog ran yet, and Horovod's own stall check is off)."""
     data = slow_file_system.path / "data.npz"
     np.savez(data, **random_arrays(30000, 100, (28, 28)))
     command = slow_file_system.command(launchers.command("mpirun", 2, "hvd_sgd.train", [

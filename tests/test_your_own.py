@@ -1,4 +1,5 @@
 """Your own model and data: the API (examples/custom_model.py), --model module:function, --data-dir x.npz."""
+import os
 import re
 import subprocess
 
@@ -7,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import PYTHON, ROOT, error_lines, launch, output_lines, read_json, reported_accuracy, succeeded
-from hvd_sgd import JobError, datasets, launchers
+from hvd_sgd import JobError, datasets, launchers, shared_data
 
 
 def test_the_example_trains_its_own_model_through_the_api():
@@ -71,24 +72,79 @@ def test_colour_images_train_in_both_programs(tmp_path):
 # Each rank runs its program under this, which prints the program's peak resident memory.
 PEAK_MEMORY = ("import resource, subprocess, sys; status = subprocess.call(sys.argv[1:]); "
                "print('peak KiB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(status)")
+MEMORY_CGROUPS = "/sys/fs/cgroup/memory"
 
 
-def peak_memory_of_ranks(data):
-    result = succeeded(launch("mpirun", 2, "--model", "softmax", "--data-dir", data, "--max-steps", 3,
-                              wrapper=(PYTHON, "-c", PEAK_MEMORY)))
-    return max(int(line.split()[-1]) for line in output_lines(result.stdout) if line.startswith("peak KiB")) * 1024
+def peak_memory(data):
+    """Two ranks on ``data``: the larger rank's peak resident memory, and the job's peak in a
+    memory cgroup of its own (None without: it needs root and cgroup v1), in bytes."""
+    softmax = ["--model", "softmax", "--data-dir", data, "--max-steps", 3]
+    command = launchers.command("mpirun", 2, "hvd_sgd.train", softmax, before_program=(PYTHON, "-c", PEAK_MEMORY))
+    cgroup = f"{MEMORY_CGROUPS}/hvd_sgd-test-{os.getpid()}"
+    if os.geteuid() != 0 or not os.path.isdir(MEMORY_CGROUPS):
+        cgroup = None
+    else:
+        os.mkdir(cgroup)
+        command = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *command]
+    try:
+        result = succeeded(subprocess.run(command, cwd=ROOT, env=launchers.environment(), capture_output=True,
+                                          text=True, timeout=240))
+        job = int(open(f"{cgroup}/memory.max_usage_in_bytes").read()) if cgroup else None
+    finally:
+        if cgroup:
+            os.rmdir(cgroup)
+    rank = max(int(line.split()[-1]) for line in output_lines(result.stdout) if line.startswith("peak KiB"))
+    return rank * 1024, job
 
 
-def test_a_rank_holds_its_training_set_once_in_memory(tmp_path):
-    """TensorFlow's own conversion of a numpy training set held two more copies of it at once:
-    each rank's peak grew by three times the data (a 1-GB .npz: 3.4 GB)."""
+def test_the_ranks_of_a_node_hold_one_copy_of_the_training_set(tmp_path):
+    """Each rank held three copies of it at its peak (TensorFlow's conversion of a numpy array),
+    so two ranks on a 205-MB .npz grew by 604 MB each over a 1000-image one; now the node's
+    first rank reads it into shared memory, and the job as a whole grows by its size."""
     images = np.full((200_000, 32, 32), 7, np.uint8)  # 205 MB
     labels = np.arange(200_000) % 10
     np.savez(tmp_path / "large.npz", x_train=images, y_train=labels, x_test=images[:100], y_test=labels[:100])
     np.savez(tmp_path / "small.npz", x_train=images[:1000], y_train=labels[:1000], x_test=images[:100],
              y_test=labels[:100])
-    grown = peak_memory_of_ranks(tmp_path / "large.npz") - peak_memory_of_ranks(tmp_path / "small.npz")
-    assert grown < 1.3 * images.nbytes, f"{grown / 1e6:.0f} MB more for {images.nbytes / 1e6:.0f} MB of images"
+    (large_rank, large_job), (small_rank, small_job) = (peak_memory(tmp_path / f"{size}.npz")
+                                                        for size in ("large", "small"))
+    assert large_rank - small_rank < 1.3 * images.nbytes, f"a rank: {(large_rank - small_rank) / 1e6:.0f} MB more"
+    if large_job is not None:  # a copy for each rank: 2 x 205 MB more (measured 2.03 x)
+        assert large_job - small_job < 1.4 * images.nbytes, f"the job: {(large_job - small_job) / 1e6:.0f} MB more"
+
+
+def test_a_dev_shm_too_small_for_the_training_set_gives_each_rank_its_own_copy(tmp_path):
+    """Docker's /dev/shm holds 64 MB unless told otherwise, and writing past its end would kill
+    the reading rank (SIGBUS): the node's ranks each read their own copy of 94 MB instead."""
+    if os.geteuid() != 0:
+        pytest.skip("a /dev/shm of its own needs root (a mount namespace)")
+    mnist = datasets.load("mnist")
+    np.savez(tmp_path / "twice.npz", x_train=np.concatenate([mnist.x_train] * 2),
+             y_train=np.concatenate([mnist.y_train] * 2), x_test=mnist.x_test[:1000], y_test=mnist.y_test[:1000])
+    small_shm = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"', "sh"]
+    softmax = ["--model", "softmax", "--data-dir", tmp_path / "twice.npz", "--max-steps", 30]
+    command = launchers.command("mpirun", 2, "hvd_sgd.train", softmax)
+    result = succeeded(subprocess.run(small_shm + command, cwd=ROOT, env=launchers.environment(), capture_output=True,
+                                      text=True, timeout=240))
+    assert reported_accuracy(result) > 0.6
+
+
+def test_shared_files_left_by_a_killed_job_are_removed_by_the_next():
+    """A rank killed while it reads leaves its files in /dev/shm (memory, until the node reboots);
+    the next job's reader removes those whose process is gone, and no one else's."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    dead, live = (os.path.join(shared_data.SHARED_MEMORY, f"{shared_data.PREFIX}{pid}-0")
+                  for pid in (ended.pid, os.getpid()))
+    for path in (dead, live):
+        open(path, "wb").close()
+    try:
+        shared_data.remove_stale()
+        assert not os.path.exists(dead) and os.path.exists(live)
+    finally:
+        for path in (dead, live):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 BATCH_NORM_MODEL = """
