@@ -20,6 +20,7 @@ import dataclasses
 import gzip
 import hashlib
 import io
+import math
 import os
 import pickle
 import struct
@@ -56,7 +57,7 @@ INSTALL_HINT = "run run/setup (or python -m hvd_sgd.datasets)"
 def aligned_empty(shape, dtype):
     """An uninitialised C-contiguous array whose data starts on an ALIGNMENT-byte boundary."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % ALIGNMENT
     return raw[start:start + nbytes].view(dtype).reshape(shape)
@@ -206,7 +207,10 @@ def read_idx(path, ndim, allocate=aligned_empty):
             if len(sizes) < 4 * ndim:
                 raise JobError(f"{path}: truncated header ({4 + len(sizes)} bytes)")
             dims = struct.unpack(f">{ndim}I", sizes)
-            array = allocate(dims, np.uint8)
+            try:
+                array = allocate(dims, np.uint8)
+            except (MemoryError, ValueError):  # more than memory, or than numpy can index: a damaged header?
+                raise JobError(f"{path}: the header's dimensions {dims} need more than this machine's memory") from None
             header, got = 4 + 4 * ndim, _read_into(f, array)
             expected = header + array.nbytes
             if got < array.nbytes:
@@ -236,7 +240,7 @@ def read_npz(path, allocate=aligned_empty):
     [n, h, w, channels], integer labels."""
     try:
         arrays = _read_npz_arrays(path, allocate)
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, MemoryError) as e:
         raise JobError(f"{path}: cannot read as .npz: {first_line(e)}") from None
     return _checked(path, os.path.splitext(os.path.basename(path))[0], arrays)
 

@@ -8,6 +8,7 @@ the memory goes with the job's last process; a killed job's files are removed by
 on that node. Where /dev/shm is missing or too small, every rank reads its own copy.
 """
 import glob
+import math
 import os
 import socket
 
@@ -73,7 +74,7 @@ class _SharedFiles:
     def allocate(self, shape, dtype):
         """A datasets allocator: an array in a new shared file (page-aligned: TensorFlow takes it
         over), or in private memory once /dev/shm lacks room, or for no bytes (nothing to map)."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         # Writing into a full /dev/shm would kill the process (SIGBUS), not raise: check first.
         self.full = self.full or not os.path.isdir(SHARED_MEMORY) or _free_bytes(SHARED_MEMORY) < 2 * nbytes
         if self.full or nbytes == 0:

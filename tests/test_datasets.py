@@ -41,6 +41,7 @@ IMAGES = "train-images-idx3-ubyte.gz"
     (lambda d: write_idx(d / IMAGES, np.zeros((12, 16))), "expected 3 dimension"),
     (lambda d: write_idx(d / IMAGES, np.zeros((12, 4, 4)), cut=7), "truncated: "),
     (lambda d: write_idx(d / IMAGES, np.zeros((12, 4, 4)), extra=b"xx"), "has trailing bytes"),
+    (lambda d: write_idx(d / IMAGES, np.zeros((12, 4, 4)), dims=(2**31,) * 3), "more than this machine's memory"),
     (lambda d: write_idx(d / LABELS, np.zeros(11)), "12 images but 11 labels"),
     (lambda d: (d / LABELS).unlink(), "missing train-labels-idx1-ubyte"),
     (lambda d: write_idx(d / "t10k-images-idx3-ubyte.gz", np.zeros((5, 5, 5))), "train images are"),
