@@ -121,7 +121,7 @@ def _map_or_read(layout, read):
             arrays = {key: np.memmap(path, dtype, "r+", shape=tuple(shape))
                       for key, (path, shape, dtype) in layout["arrays"].items()}
             return datasets.Splits(layout["name"], **arrays, num_classes=layout["num_classes"])
-        except FileNotFoundError:  # not this node's files after all: two nodes with one host name
+        except (OSError, ValueError):  # not this node's files after all (two nodes of one host name)
             pass
     return read(datasets.aligned_empty)
 
