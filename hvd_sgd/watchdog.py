@@ -28,6 +28,9 @@ import threading
 import time
 
 BEAT_SECONDS = 1.0
+# Read a long file in chunks of this size: each read moves the file's position, which
+# ``Watchdog.file_work`` counts as progress (one read of the whole file moves it once, at the end).
+READ_CHUNK = 8 << 20
 STALE_SECONDS = 24 * 3600  # a live job's heartbeat directory changes every second
 
 # A rank's heartbeat as another rank reads it: its age, the seconds that rank had then gone without
