@@ -37,6 +37,11 @@ def launch(launcher, np_, *args, module="hvd_sgd.train", timeout=240, env=None, 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def in_cgroup(cgroup, command):
+    """``command`` run in the cgroup whose directory is ``cgroup`` (its children too)."""
+    return ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *map(str, command)]
+
+
 def rank_exits(exits_dir):
     return sorted(int(p.read_text()) for p in Path(exits_dir).iterdir())
 

@@ -12,8 +12,8 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import (PYTHON, ROOT, assert_same_weights, error_lines, launch, output_lines, rank_exits, read_json,
-                      random_arrays, reported_accuracy, saved_weights, succeeded, write_dataset, write_idx)
+from conftest import (PYTHON, ROOT, assert_same_weights, error_lines, in_cgroup, launch, output_lines, rank_exits,
+                      read_json, random_arrays, reported_accuracy, saved_weights, succeeded, write_dataset, write_idx)
 from hvd_sgd import launchers, watchdog
 
 
@@ -329,7 +329,7 @@ class SlowFileSystem:
 
     def command(self, command):
         """``command``, run in the throttled cgroup (its children too)."""
-        return ["sh", "-c", f'echo $$ > {self.cgroup}/cgroup.procs && exec "$@"', "sh", *map(str, command)]
+        return in_cgroup(self.cgroup, command)
 
     def freeze(self):
         subprocess.run(["fsfreeze", "--freeze", self.path], check=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PYTHON, ROOT, error_lines, launch, output_lines, read_json, reported_accuracy, succeeded
+from conftest import PYTHON, ROOT, error_lines, in_cgroup, launch, output_lines, read_json, reported_accuracy, succeeded
 from hvd_sgd import JobError, datasets, launchers, shared_data
 
 
@@ -85,7 +85,7 @@ def peak_memory(data):
         cgroup = None
     else:
         os.mkdir(cgroup)
-        command = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *command]
+        command = in_cgroup(cgroup, command)
     try:
         result = succeeded(subprocess.run(command, cwd=ROOT, env=launchers.environment(), capture_output=True,
                                           text=True, timeout=240))
