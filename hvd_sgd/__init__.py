@@ -6,7 +6,7 @@ import re
 # keep warnings and errors only, unless the user asked for more.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # TensorFlow uses oneDNN's CPU kernels by default only on CPUs with AVX-512 VNNI/BF16, AVX-VNNI or AMX;
-# on AVX2-only CPUs its default kernels train convolutions much slower (docs/benchmarks.md). On
+# on AVX2-only CPUs its default kernels train convolutions much slower (docs/design.md). On
 # everywhere, unless the user set it. Like the line above, it counts only before TensorFlow's import.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 

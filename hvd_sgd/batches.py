@@ -5,61 +5,55 @@ permutation cut into global batches, and rank r takes the r-th slice of each. So
 batch B see, step by step, exactly the examples one rank with batch N*B sees. With gradient
 accumulation a rank's slice is cut again into micro-batches, one per backward pass.
 
-An epoch is a number of steps fixed when the run starts (``steps_per_epoch``). In an elastic
+An epoch is a number of steps fixed when the run starts (the run plan's). In an elastic
 job whose size changes, a step still updates the weights once, with the new global batch:
 an epoch then covers fewer examples (or, grown, wraps around its permutation).
 """
 import numpy as np
 import tensorflow as tf
 
-from hvd_sgd import JobError, datasets
-
-
-def steps_per_epoch(num_examples, per_rank_batch, world_size, micro_batches=1):
-    """Full global batches per epoch; every rank runs this many steps. A JobError if none fits."""
-    if world_size > num_examples:
-        raise JobError(f"{world_size} ranks but only {num_examples} training examples")
-    steps = num_examples // (per_rank_batch * micro_batches * world_size)
-    if steps == 0:
-        batch = f"--batch-size {per_rank_batch}" + (f" x {micro_batches} backward passes" if micro_batches > 1 else "")
-        raise JobError(f"{batch} is larger than a rank's shard "
-                       f"({num_examples} examples / {world_size} ranks = {num_examples // world_size})")
-    return steps
+from hvd_sgd import augment, catalogs, datasets, streams
 
 
 def epoch_order(num_examples, seed, epoch):
     return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
-def rank_batch_indices(num_examples, rank_batch, world_size, rank, seed, first_step, last_step, per_epoch):
-    """Example indices of this rank's batches for global steps [first_step, last_step): [steps, rank_batch].
-    One epoch's permutation at a time: a run's worth of them at once took a rank seconds and GBs."""
-    global_batch = rank_batch * world_size
-    indices = np.empty((last_step - first_step, rank_batch), np.int64)
+def rank_batch_indices(plan, rank, seed, first_step, last_step=None):
+    """Example indices of this rank's batches for global steps [first_step, last_step) (to the plan's
+    last step by default): [steps, plan.rank_batch]. One epoch's permutation at a time: a run's worth
+    of them at once took a rank seconds and GBs."""
+    last_step = plan.total_steps if last_step is None else last_step
+    per_epoch, global_batch = plan.steps_per_epoch, plan.global_batch
+    indices = np.empty((last_step - first_step, plan.rank_batch), np.int64)
     for epoch in range(first_step // per_epoch, -(-last_step // per_epoch)):
         begin, end = max(first_step, epoch * per_epoch), min(last_step, (epoch + 1) * per_epoch)
         start = epoch * per_epoch
-        order = epoch_order(num_examples, seed, epoch)
+        order = epoch_order(plan.num_examples, seed, epoch)
         if len(order) < per_epoch * global_batch:  # an elastic job grown since the epoch was fixed: wrap around
             order = np.resize(order, per_epoch * global_batch)
-        epoch_batches = order[:per_epoch * global_batch].reshape(per_epoch, world_size, rank_batch)
+        epoch_batches = order[:per_epoch * global_batch].reshape(per_epoch, plan.world_size, plan.rank_batch)
         indices[begin - first_step:end - first_step] = epoch_batches[begin - start:end - start, rank]
     return indices
 
 
-def step_batches(splits, indices):
-    """For a compiled step: a function whose every call (inside the step) takes the next row of
-    ``indices`` and gathers its batch, (images float32 [B, h, w, 1] in [0, 1], labels int32 [B]).
+def step_batches(data, indices, threads=1, augmentation=None):
+    """For a compiled step: a function whose every call (inside the step) gives the batch of the next
+    row of ``indices``: (images float32 [B, h, w, c] in [0, 1], labels int32 [B]). ``augmentation``:
+    (flip, dy, dx) of each example (hvd_sgd.augment), or None.
 
-    One gather in the step's own graph: a tf.data pipeline's thread costs a rank that has one core
-    more than the gather itself (docs/benchmarks.md, "The batch gathered inside the step")."""
+    Arrays in memory: one gather in the step's own graph (a tf.data pipeline's thread costs a rank
+    that has one core more than the gather itself: docs/design.md, "The step"). Image files: read
+    and decoded by a tf.data pipeline on the rank's ``threads`` (hvd_sgd.streams)."""
+    if isinstance(data, catalogs.ImageSet):
+        return streams.step_batches(data, indices, threads, augmentation)
     with tf.device("CPU"):  # the training set stays in host memory: only a batch goes to a GPU
-        examples = _Examples(splits, indices)
+        examples = _Examples(data, indices, augmentation)
         taken = tf.Variable(0, dtype=tf.int64, trainable=False, name="batches_taken")
 
     def next_batch():
         with tf.device("CPU"):
-            return examples.gather(tf.gather(examples.rows, taken.assign_add(1) - 1))
+            return examples.gather(taken.assign_add(1) - 1)
 
     return next_batch
 
@@ -67,30 +61,44 @@ def step_batches(splits, indices):
 def train_batches(splits, indices):
     """The same batches as a tf.data pipeline, for Keras' ``fit`` (the bench's Keras contenders)."""
     examples = _Examples(splits, indices)
-    return _without_autotuner(tf.data.Dataset.from_tensor_slices(examples.rows).map(examples.gather).prefetch(2))
+    rows = tf.data.Dataset.range(len(indices))
+    return streams.fixed_pipeline(rows.map(examples.gather).prefetch(2))
 
 
 class _Examples:
-    """The training set and the batches' rows of indices, as tensors."""
+    """The training set, the batches' rows of indices, and their augmentation, as tensors."""
 
-    def __init__(self, splits, indices):
+    def __init__(self, splits, indices, augmentation=None):
         self.images, self.labels, self.rows = as_tensor(splits.x_train), as_tensor(splits.y_train), as_tensor(indices)
+        self.augmentation = None if augmentation is None else [tf.constant(a) for a in augmentation]
 
-    def gather(self, batch):
-        return to_model_input(tf.gather(self.images, batch)), tf.cast(tf.gather(self.labels, batch), tf.int32)
+    def gather(self, row):
+        batch = tf.gather(self.rows, row)
+        images = to_model_input(tf.gather(self.images, batch))
+        if self.augmentation is not None:
+            draws = [tf.gather(a, row) for a in self.augmentation]
+            images = tf.map_fn(lambda e: augment.padded_crop_and_flip(*e), (images, *draws),
+                               fn_output_signature=tf.float32)
+        return images, tf.cast(tf.gather(self.labels, batch), tf.int32)
 
 
-def test_batches(splits, batch_size=1000):
-    examples = tf.data.Dataset.from_tensor_slices((as_tensor(splits.x_test), as_tensor(splits.y_test)))
-    return _without_autotuner(examples.batch(batch_size).map(lambda x, y: (to_model_input(x), tf.cast(y, tf.int32)))
-                              .prefetch(2))
+def test_batches(data, rank=0, size=1, threads=1, batch_size=1000):
+    """``rank``'s share of the test set, a contiguous 1/``size`` of it: (images, labels) batches (of
+    ``batch_size`` examples in memory; streamed, of streams.TEST_BATCH decoded images)."""
+    if isinstance(data, catalogs.ImageSet):
+        return streams.test_batches(data, rank, size, threads)
+    share = streams.test_share(len(data.x_test), rank, size)
+    part = slice(share[0], share[-1] + 1) if len(share) else slice(0, 0)
+    examples = tf.data.Dataset.from_tensor_slices((as_tensor(data.x_test[part]), as_tensor(data.y_test[part])))
+    return streams.fixed_pipeline(examples.batch(batch_size).map(lambda x, y: (to_model_input(x), tf.cast(y, tf.int32)))
+                                  .prefetch(2))
 
 
 def as_tensor(array):
     """``array`` as a CPU tensor that shares its memory (through DLPack), after a copy into aligned
     memory unless it is there already (datasets reads into such): tf.constant would hold two more
-    copies at once, which for a large training set decides whether it fits (docs/benchmarks.md,
-    "Memory"). Neither may change while the other is in use."""
+    copies at once, which for a large training set decides whether it fits (docs/design.md, "One
+    copy of the training set a node"). Neither may change while the other is in use."""
     if not (array.flags.c_contiguous and array.flags.writeable and array.ctypes.data % datasets.ALIGNMENT == 0):
         aligned = datasets.aligned_empty(array.shape, array.dtype)
         aligned[...] = array
@@ -103,12 +111,3 @@ def to_model_input(images):
     [0, 1]: what every model takes."""
     images = tf.cast(images, tf.float32) / 255.0
     return images[..., None] if images.shape.rank == 3 else images
-
-
-def _without_autotuner(pipeline):
-    """A batch is one gather (microseconds): the fixed prefetch keeps the model fed, and tf.data's
-    autotuner has nothing to tune, while its thread can hold up the iterator's deletion for
-    seconds in TensorFlow 2.15 (docs/benchmarks.md)."""
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    return pipeline.with_options(options)

@@ -25,8 +25,7 @@ def lock_directory(directory, what):
 
     The descriptor is never closed: the kernel drops the lock when the process ends, however it
     ends, so a killed run leaves no stale lock. On NFS, Linux turns ``flock`` into a POSIX lock that
-    the server arbitrates, so it holds between nodes too (docs/reliability.md, "One run per
-    checkpoint directory"). ``what`` names the flag in the one-line error.
+    the server arbitrates, so it holds between nodes too (docs/design.md, "Checkpoints"). ``what`` names the flag in the one-line error.
     """
     files.check_writable(directory, what)
     fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)  # not truncated: holder stays
@@ -40,7 +39,7 @@ def lock_directory(directory, what):
     except OSError as e:  # a file system without locks (Lustre mounted noflock, say)
         os.close(fd)
         raise JobError(f"{what} cannot be locked ({e.strerror}): its file system has no working flock "
-                       f"(docs/reliability.md, \"One run per checkpoint directory\")") from None
+                       f"(docs/design.md, \"Checkpoints\")") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, "
                   f"started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)

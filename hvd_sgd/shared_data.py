@@ -3,7 +3,7 @@
 Each rank gathers its batches from the whole training set, so each rank held a copy: a node
 needed the set's size times its ranks. Instead, the first rank of each node (local rank 0) reads
 the arrays into files under /dev/shm (memory, not disk) and the node's other ranks map the same
-pages (docs/benchmarks.md, "Memory"). The files are unlinked once every rank has mapped them, so
+pages (docs/design.md, "One copy of the training set a node"). The files are unlinked once every rank has mapped them, so
 the memory goes with the job's last process; a killed job's files are removed by the next job
 on that node. Where /dev/shm is missing or too small, every rank reads its own copy.
 """

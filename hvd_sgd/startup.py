@@ -9,12 +9,11 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import sys
 import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError, first_line, launchers
+from hvd_sgd import JobError, launchers
 
 try:
     import horovod.tensorflow as hvd
@@ -44,32 +43,6 @@ def _announced(variables, default):
 
 def launched_by_mpi():
     return "HOROVOD_RANK" not in os.environ and any(v in os.environ for v in _MPI_VARIABLES)
-
-
-# How long another rank waits before it exits on an error that the first rank reports: mpirun
-# ends the job when any rank fails, and the first rank may still be starting up.
-ERROR_GRACE_SECONDS = 5
-
-
-def main_guard(main, prog):
-    """Run ``main``; a JobError becomes one line on stderr from the first rank and exit status 1 on all.
-
-    So does Horovod's own shutdown when another rank failed: the launcher names that rank, and the
-    survivors need not add a traceback each. A stop on a signal is one line too, and its own status.
-    """
-    from hvd_sgd.preemption import EXIT_STOPPED, Stopped
-    try:
-        main()
-    except Exception as e:
-        if not isinstance(e, JobError) and "Horovod has been shut down" not in str(e):
-            raise
-        stopped = isinstance(e, Stopped)
-        if launch_rank() == 0:
-            print(f"{prog}: {'' if stopped else 'error: '}{first_line(e, limit=None)}", file=sys.stderr, flush=True)
-        elif not stopped:
-            # The first rank's exit ends the job at once; an error only this rank saw costs the wait.
-            time.sleep(ERROR_GRACE_SECONDS)
-        sys.exit(EXIT_STOPPED if stopped else 1)
 
 
 def check_versions():
@@ -104,7 +77,7 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     os.environ.setdefault("HOROVOD_CYCLE_TIME", _cycle_time_ms())
     # Read when TensorFlow creates its CPU device, after this. Its default CPU allocator hands large
     # tensors (an all-reduce's output) back to the OS and faults fresh pages in for the next one;
-    # BFC keeps them (docs/benchmarks.md, "All-reduce on the slower machine type"). With oneDNN on
+    # BFC keeps them (docs/design.md, "TensorFlow's CPU allocator"). With oneDNN on
     # (hvd_sgd's default) TensorFlow pools through oneDNN's allocator instead; this is for oneDNN off.
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     if hvd is None:
@@ -118,7 +91,7 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
         hvd.init()
 
     gpus = tf.config.list_physical_devices("GPU")
-    if gpus:  # unverified here: no GPU machine has run it
+    if gpus:  # the GPU path is not covered by the tests (docs/design.md, "GPUs")
         gpu = gpus[hvd.local_rank() % len(gpus)]
         tf.config.experimental.set_memory_growth(gpu, True)
         tf.config.set_visible_devices(gpu, "GPU")
@@ -136,7 +109,7 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
 def trace_horovod_without_autograph():
     """Horovod 0.28.1 makes its gradient all-reduce and its variables' broadcast tf.functions with
     autograph on, so each rank's first step converts Horovod's own Python source: seconds of CPU a
-    rank (docs/benchmarks.md, "Start-up"). That code branches only on Python values (its branches
+    rank (docs/design.md, "Start-up"). That code branches only on Python values (its branches
     on tensors are explicit tf.cond), so it traces as written."""
     import horovod.tensorflow.functions
     for module in (hvd, horovod.tensorflow.functions):
@@ -146,8 +119,8 @@ def trace_horovod_without_autograph():
 def yield_when_idle():
     """Before MPI starts: Open MPI busy-polls inside MPI calls, and Horovod's background thread
     negotiates through MPI every cycle, so a rank waiting for a slower one would spin on the cores
-    its TensorFlow threads need (docs/benchmarks.md, "What was tuned"); across hosts, spinning
-    ranks also hold off the kernel's network work on those cores (docs/multi-node.md)."""
+    its TensorFlow threads need; across hosts, spinning ranks also hold off the kernel's network
+    work on those cores (docs/design.md, "Open MPI yields when idle")."""
     os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 
@@ -155,7 +128,7 @@ def _cycle_time_ms():
     """Horovod's background thread sleeps for a cycle (1 ms by default) between negotiations, and
     an all-reduce waits for the next one. While every rank has a core of its own, not sleeping at
     all is fastest; where ranks outnumber the cores, those threads would spin on the cores
-    training needs: 0.1 ms there (docs/benchmarks.md, "What was tuned"). One rank negotiates nothing."""
+    training needs: 0.1 ms there (docs/design.md, "Horovod's cycle, and its patched thread"). One rank negotiates nothing."""
     if launch_size() == 1:
         return "1"  # Horovod's default
     ranks_here = _announced(_LOCAL_SIZE_VARIABLES, launch_size())
@@ -169,12 +142,12 @@ def _bind_to_cpu_share(bind):
     a mask, smaller than the machine, is kept. horovodrun passes ``-bind-to none``: local rank r
     is then bound to the r-th equal slice of the CPUs, all its threads included (Horovod's
     background thread is already running). Left unbound, the OS at times puts two ranks' busy
-    threads on one core (docs/benchmarks.md, "What was tuned"). A container limited to fewer CPUs
+    threads on one core (docs/design.md, "One rank per core, bound to it"). A container limited to fewer CPUs
     than the host looks bound too: its ranks are not rebound. (Comparing the ranks' masks would
     tell, but no collective can run here: TensorFlow's thread counts must be set before its first op.)
     Under Gloo (horovodrun --gloo, elastic runs) a rank stays unbound: every all-reduce passes
     through Gloo's TCP thread, which on the rank's one core waits behind the compute
-    (docs/benchmarks.md, "Gloo").
+    (same note).
     """
     cpus = os.sched_getaffinity(0)
     if len(cpus) < (os.cpu_count() or len(cpus)):

@@ -16,7 +16,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from hvd_sgd import batches, checkpoint, config, datasets, files, startup
+from hvd_sgd import batches, checkpoint, cli, config, datasets, files, startup
+from hvd_sgd.plan import RunPlan
 
 tf1 = tf.compat.v1
 
@@ -31,8 +32,8 @@ def main(argv=None):
     with w.agreement():
         splits = datasets.load(cfg.dataset, cfg.data_dir)
         n = len(splits.x_train)
-        rank_batches = batches.rank_batch_indices(n, cfg.batch_size, w.size, w.rank, cfg.seed, 0, cfg.steps,
-                                                  batches.steps_per_epoch(n, cfg.batch_size, w.size))
+        run_plan = RunPlan.build(world_size=w.size, num_examples=n, per_rank_batch=cfg.batch_size, max_steps=cfg.steps)
+        rank_batches = batches.rank_batch_indices(run_plan, w.rank, cfg.seed, 0)
         if w.is_chief:  # rank 0 writes the files: find out now if it cannot; one run per checkpoint directory
             if cfg.metrics_file:
                 files.check_writable(files.parent(cfg.metrics_file), f"--metrics-file {cfg.metrics_file}")
@@ -129,9 +130,9 @@ def _one_hot(labels, classes):
     return np.eye(classes, dtype=np.float32)[labels]
 
 
-def cli():
-    startup.main_guard(main, "hvd_sgd.train_v1")
+def console_script():
+    cli.run(main, "hvd_sgd.train_v1")
 
 
 if __name__ == "__main__":
-    cli()
+    console_script()

@@ -11,6 +11,7 @@ import sys
 import zlib
 
 import horovod.tensorflow as hvd
+import numpy as np
 import tensorflow as tf
 
 from hvd_sgd import JobError
@@ -75,15 +76,23 @@ class World:
             for variable, value in zip(statistics, averaged):
                 variable.assign(value)
 
-    def evaluate(self, model, test_batches, after_batch):
-        """Rank 0 evaluates the (compiled) model, calling ``after_batch()`` after each batch (the
-        watchdog's progress: the other ranks wait meanwhile); every rank receives the result."""
-        if self.is_chief:
-            each_batch = tf.keras.callbacks.LambdaCallback(on_test_batch_end=lambda batch, logs: after_batch())
-            result = model.evaluate(test_batches, verbose=0, return_dict=True, callbacks=[each_batch])
+    def evaluate(self, model, test_batches, after_batch, together=False):
+        """Test accuracy and loss (mean cross-entropy) of ``model``, the same on every rank, calling
+        ``after_batch()`` after each batch (the watchdog's progress). Rank 0 evaluates
+        ``test_batches``, the whole test set, while the others wait; or, ``together``, every rank
+        evaluates its own share (``test_batches`` is it) and the sums are all-reduced: the same
+        correct count as rank 0 alone, in about 1/size of the time."""
+        sums = np.zeros(3)  # correct, summed loss, examples
+        if together or self.is_chief:
+            for images, labels in test_batches:
+                sums += [float(s) for s in _evaluation_sums(model, images, labels)]
+                after_batch()
+        if together:
+            sums = hvd.allreduce(tf.constant(sums), op=hvd.Sum, name="evaluation").numpy()
         else:
-            result = None
-        return hvd.broadcast_object(result, root_rank=0)
+            sums = hvd.broadcast_object(sums, root_rank=0)
+        correct, loss, examples = sums
+        return dict(accuracy=correct / examples, loss=loss / examples, correct=int(correct), examples=int(examples))
 
     def check_identical(self, variables, when):
         """All ranks must hold bit-identical weights; anything else means training has forked."""
@@ -94,3 +103,12 @@ class World:
         if len(set(digests)) != 1:
             raise JobError(f"ranks hold different weights {when} (checksums {digests})")
         return digests
+
+
+@tf.function(reduce_retracing=True)
+def _evaluation_sums(model, images, labels):
+    """A test batch's correct answers, summed cross-entropy and examples."""
+    logits = tf.cast(model(images, training=False), tf.float32)
+    correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels), tf.float64))
+    loss = tf.reduce_sum(tf.cast(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits), tf.float64))
+    return correct, loss, tf.cast(tf.size(labels), tf.float64)

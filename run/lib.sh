@@ -1,6 +1,6 @@
 # Shared by the run/ scripts: paths and the Debian-package helper. Source it; do not run it.
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-# Two stacks (README, "Two stacks"): default, TensorFlow 2.15 with Keras 2, in .venv; current, the
+# Two stacks (docs/guide.md, "Two stacks"): default, TensorFlow 2.15 with Keras 2, in .venv; current, the
 # newest TensorFlow with Keras 3 and a patched Horovod build, in .venv-current.
 STACK=${HVD_SGD_STACK:-default}
 case $STACK in

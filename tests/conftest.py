@@ -1,13 +1,20 @@
-"""Helpers that launch hvd_sgd the way users do (hvd_sgd.launchers), and make small IDX datasets."""
+"""Helpers that the test files share: launching hvd_sgd the way users do (hvd_sgd.launchers), small
+IDX datasets, and long runs in the background with the faults done to them."""
 import gzip
+import importlib.util
 import json
+import os
 import re
+import signal
 import struct
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from hvd_sgd import datasets, distributed, launchers
@@ -125,3 +132,234 @@ def write_dataset(directory, n_train=12, n_test=5, gz=True, **overrides):
     for key, (name, _) in datasets.IDX_FILES.items():
         write_idx(directory / (name + (".gz" if gz else "")), arrays[key])
     return arrays
+
+
+# --- long runs in the background, and what happens to them --------------------------------------
+
+def rank_process(launcher, rank):
+    """The training process of one rank among the launcher's descendants."""
+    for child in launcher.children(recursive=True):
+        try:
+            env = child.environ()
+            if child.cmdline()[:1] == [PYTHON] and rank == int(env.get("HOROVOD_RANK", env.get("OMPI_COMM_WORLD_RANK", -1))):
+                return child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+
+
+def start_and_wait(command, ready, timeout, env=None):
+    process = subprocess.Popen(list(map(str, command)), cwd=ROOT, env=env or launchers.environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert process.poll() is None, ("the run ended before it got ready", process.communicate())
+        assert time.monotonic() < deadline, "the run never got ready"
+        time.sleep(0.2)
+    return process
+
+
+def ended_within(process, seconds):
+    try:
+        stdout, stderr = process.communicate(timeout=seconds)
+        return process.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"the job did not end within {seconds} s")
+
+
+LONG_STEPS = 2000  # 32 steps an epoch, ~2 ms a step: seconds of run left after the first checkpoints
+LONG_RUN = ["--model", "mlp", "--train-examples", 16384, "--test-examples", 500, "--batch-size", 256,
+            "--epochs", 100, "--max-steps", LONG_STEPS, "--log-every-steps", 10, "--checkpoint-every-steps", 50]
+
+
+def frozen(process):
+    """SIGSTOP ``process`` and wait until it has stopped: the signal is delivered asynchronously, and
+    on a fast machine the run can still write a file after send_signal returns."""
+    process.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while process.status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return process
+
+
+def checkpoint_from_step(directory, step):
+    """Whether a checkpoint of ``step`` or later is recorded (older ones are rotated away, so wait for
+    any). Recorded: named in the directory's state file, which TensorFlow replaces after the
+    checkpoint's files are written and which --resume reads; a run killed between the two resumes
+    from the checkpoint before (CI once killed one there)."""
+    def recorded():
+        state = directory / "checkpoint"
+        return state.exists() and any(int(n) >= step for n in re.findall(r'ckpt-(\d+)"', state.read_text()))
+    return recorded
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    path = tmp_path_factory.mktemp("uninterrupted") / "model.keras"
+    succeeded(launch("mpirun", 2, *LONG_RUN, "--save-model", path))
+    return saved_weights(path)
+
+
+# --- Slurm jobs (run/slurm/local-cluster, run/cluster --slurm) ----------------------------------
+
+def run_job(env, *sbatch_args, timeout=240):
+    """Submit a batch job and wait for it to end; its final state."""
+    return wait_for_job(env, submit_job(env, *sbatch_args), timeout)
+
+
+def submit_job(env, *sbatch_args):
+    job = subprocess.run(["sbatch", "--parsable", *map(str, sbatch_args)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    job_id = job.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), job.stderr
+    return job_id
+
+
+def job_state(env, job_id, patience=30):
+    """(state, restarts) of the job. A busy slurmctld can time out a query (CI saw one while a job
+    was requeued): ask again for up to ``patience`` seconds before failing with its message."""
+    deadline = time.monotonic() + patience
+    while True:
+        info = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True)
+        state, restarts = re.search(r"JobState=(\w+)", info.stdout), re.search(r"Restarts=(\d+)", info.stdout)
+        if state and restarts:
+            return state.group(1), int(restarts.group(1))
+        assert time.monotonic() < deadline, f"scontrol show job {job_id}: {info.stderr or info.stdout}"
+        time.sleep(1)
+
+
+def wait_for_job(env, job_id, timeout=240, hurry_requeued=False, until=None):
+    """Poll every half second (sbatch --wait polls every 10 s or so) until the job ends, or until
+    ``until(state, restarts)``; its state then. ``hurry_requeued``: start a requeued job after 10 s
+    pending, not the 2 minutes Slurm holds it (at once, its new step can collide with the old
+    one's teardown: "aborted before step completely launched")."""
+    deadline, pending_since = time.monotonic() + timeout, None
+    while True:
+        state, restarts = job_state(env, job_id)
+        # SIGNALING and STAGE_OUT pass as the job is signalled or ends (CI saw SIGNALING at the warning).
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "SIGNALING", "COMPLETING", "STAGE_OUT", "REQUEUED") or (
+                until and until(state, restarts)):
+            return state
+        if hurry_requeued and state == "PENDING" and restarts:
+            pending_since = pending_since or time.monotonic()
+            if time.monotonic() - pending_since > 10:
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env,
+                               capture_output=True)
+        else:
+            pending_since = None
+        assert time.monotonic() < deadline, f"job {job_id} still {state} after {timeout} s"
+        time.sleep(0.5)
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+# Each rank runs its program under this, which prints the program's peak resident memory.
+PEAK_MEMORY = ("import resource, subprocess, sys; status = subprocess.call(sys.argv[1:]); "
+               "print('peak KiB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(status)")
+MEMORY_CGROUPS = "/sys/fs/cgroup/memory"
+
+
+def peak_memory(data, *args, limit=None):
+    """Two ranks training softmax on ``data`` (3 steps, unless ``args`` say otherwise): the larger
+    rank's peak resident memory, and the job's peak in a memory cgroup of its own (None without: it
+    needs root and cgroup v1), in bytes. ``limit``: the cgroup's limit in bytes (a job that needs
+    more is reclaimed from, then killed)."""
+    softmax = ["--model", "softmax", "--data-dir", data, *(args or ("--max-steps", 3))]
+    command = launchers.command("mpirun", 2, "hvd_sgd.train", softmax, before_program=(PYTHON, "-c", PEAK_MEMORY))
+    cgroup = f"{MEMORY_CGROUPS}/hvd_sgd-test-{os.getpid()}"
+    if os.geteuid() != 0 or not os.path.isdir(MEMORY_CGROUPS):
+        assert limit is None, "a memory limit needs root and cgroup v1"
+        cgroup = None
+    else:
+        os.mkdir(cgroup)
+        if limit:
+            with open(f"{cgroup}/memory.limit_in_bytes", "w") as f:
+                f.write(str(limit))
+        command = in_cgroup(cgroup, command)
+    try:
+        result = succeeded(subprocess.run(command, cwd=ROOT, env=launchers.environment(), capture_output=True,
+                                          text=True, timeout=240))
+        job = int(open(f"{cgroup}/memory.max_usage_in_bytes").read()) if cgroup else None
+    finally:
+        if cgroup:
+            os.rmdir(cgroup)
+    rank = max(int(line.split()[-1]) for line in output_lines(result.stdout) if line.startswith("peak KiB"))
+    return rank * 1024, job
+
+
+# --- image sets on files, whose images carry their ids --------------------------------------------
+
+RECORDER = textwrap.dedent('''
+    """A model that records the id of every training example it sees (pixels (0, 0) and (0, 1))."""
+    import os
+    import time
+
+    import tensorflow as tf
+
+    @tf.keras.utils.register_keras_serializable("tests")
+    class Record(tf.keras.layers.Layer):
+        def call(self, images, training=None):
+            if training:
+                tf.py_function(self.write, [images[:, 0, 0, 0], images[:, 0, 1, 0]], [])
+            return images
+
+        def write(self, high, low):
+            time.sleep(float(os.environ.get("RECORD_SECONDS", 0)))  # a step as long as this, at least
+            ids = tf.cast(tf.round(high * 255) * 256 + tf.round(low * 255), tf.int64).numpy()
+            rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "0"))
+            with open(os.path.join(os.environ["IDS_DIR"], f"rank-{rank}"), "a") as f:
+                f.write(" ".join(map(str, ids)) + "\\n")
+
+    def model(input_shape, num_classes):
+        return tf.keras.Sequential([tf.keras.Input(input_shape), Record(), tf.keras.layers.Flatten(),
+                                    tf.keras.layers.Dense(num_classes, name="logits")])
+''')
+
+
+def id_images(n_train, n_test, shape=(8, 8), classes=10, seed=0):
+    """Random images whose first two pixels hold their id (test ids from 50000), labels by id."""
+    rng = np.random.default_rng(seed)
+
+    def split(n, first):
+        images = rng.integers(0, 256, (n, *shape), dtype=np.uint8)
+        ids = np.arange(first, first + n)
+        channels = (1,) * (len(shape) - 2)  # every channel of a colour pixel
+        images[:, 0, 0], images[:, 0, 1] = (ids // 256).reshape(n, *channels), (ids % 256).reshape(n, *channels)
+        return images, (ids % classes).astype(np.uint8)
+    (x_train, y_train), (x_test, y_test) = split(n_train, 0), split(n_test, 50000)
+    return datasets.Splits("ids", x_train, y_train, x_test, y_test)
+
+
+def exported(path, layout, splits, **options):
+    """``splits`` written by hvd_sgd's converter as ``layout`` (PNG unless ``image_format`` says)."""
+    from hvd_sgd import convert  # TensorFlow: only in the tests that make image sets
+    convert.export(splits, str(path), layout, image_format=options.pop("image_format", "png"), **options)
+    return path
+
+
+def ids_by_rank(directory, ranks):
+    """Each rank's recorded ids, a row a step."""
+    return [np.array([line.split() for line in (directory / f"rank-{r}").read_text().splitlines()], np.int64)
+            for r in range(ranks)]
+
+
+def recorder(directory):
+    """The recording model's module, written into ``directory`` and imported here too (a saved model
+    of it needs its layer's class to load)."""
+    (directory / "recorder.py").write_text(RECORDER)
+    spec = importlib.util.spec_from_file_location("recorder", directory / "recorder.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_recorded(tmp_path, name, data, np_, batch, *args, launcher="mpirun"):
+    """Train the recording model on ``data``; (ids by rank, the saved model's weights, metrics)."""
+    ids = tmp_path / f"ids-{name}"
+    ids.mkdir()
+    recorder(tmp_path)
+    model, metrics = tmp_path / f"{name}.keras", tmp_path / f"{name}.json"
+    succeeded(launch(launcher, np_, "--model", "recorder:model", "--data-dir", data, "--batch-size", batch,
+                     "--lr", 0.05, "--no-lr-scaling", "--save-model", model, "--metrics-file", metrics, *args,
+                     env={"PYTHONPATH": str(tmp_path), "IDS_DIR": str(ids)}))
+    return ids_by_rank(ids, np_), saved_weights(model), read_json(metrics)

@@ -7,14 +7,21 @@ import subprocess
 import pytest
 
 from conftest import PYTHON, ROOT
+from hvd_sgd.bench import record
 from hvd_sgd.bench.suites import stack_python
 
 
 @pytest.mark.slow
 def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
-    """One model: a second one runs the same code and cost 1.5 minutes of CI on the slow machine type."""
+    """One model: a second one runs the same code and cost 1.5 minutes of CI on the slow machine type. With
+    --record: the dated record with lscpu, and the table between a README's markers (the rest kept)."""
+    project = tmp_path / "project"
+    (project / "benchmarks").mkdir(parents=True)
+    readme = f"# Intro\n\n{record.TABLE_BEGIN}\nold table\n{record.TABLE_END}\n\nThe rest.\n"
+    (project / "README.md").write_text(readme)
     result = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--quick", "--models", "softmax", "--results-dir",
-                             str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                             str(tmp_path), "--record", "--records-dir", str(project / "benchmarks")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     suites = results["suites"]
@@ -43,6 +50,22 @@ def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
                  "allreduce.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "PASS" in (tmp_path / "results.md").read_text() or "MISS" in (tmp_path / "results.md").read_text()
+    [kept] = (project / "benchmarks").iterdir()
+    assert kept.name.endswith(f"-{record.machine_type()}-quick")
+    assert {p.name for p in kept.iterdir()} >= {"results.md", "results.json", "lscpu.txt", "tta.png", "scaling.png"}
+    assert "CPU(s)" in (kept / "lscpu.txt").read_text()
+    table = (project / "README.md").read_text()
+    assert table.startswith("# Intro\n\n") and table.endswith("\n\nThe rest.\n") and "old table" not in table
+    assert f"(benchmarks/{kept.name}/results.md)" in table and "| `softmax`, 2 ranks: scaling |" in table
+
+
+@pytest.mark.parametrize("vendor,family,model,name", [
+    ("AuthenticAMD", 26, 2, "zen5"), ("AuthenticAMD", 25, 17, "zen4"), ("AuthenticAMD", 25, 1, "zen3"),
+    ("AuthenticAMD", 25, 33, "zen3"), ("GenuineIntel", 6, 207, "intel-6-207")])
+def test_records_name_the_machine_type(vendor, family, model, name, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n")
+    assert record.machine_type(cpuinfo) == name
 
 
 def test_the_projection_needs_the_network_suite_before_it(tmp_path):

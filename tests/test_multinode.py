@@ -8,14 +8,14 @@ import subprocess
 import threading
 import time
 
+import numpy as np
 import pytest
 
-from conftest import (PYTHON, ROOT, assert_same_weights, output_lines, read_json, reported_accuracy, saved_weights, succeeded,
-                      train_and_save)
+from conftest import (PYTHON, ROOT, assert_same_weights, checkpoint_from_step, ended_within, exported, id_images,
+                      ids_by_rank, output_lines, read_json, recorder, reported_accuracy, run_job, run_recorded,
+                      saved_weights, start_and_wait, succeeded, train_and_save)
 from hvd_sgd import launchers
 from hvd_sgd.bench import project
-from test_reliability import checkpoint_from_step, ended_within, start_and_wait
-from test_slurm import run_job
 
 # run/test's xdist workers run the cluster tests (this file's and test_slurm's) on one worker, in order.
 pytestmark = [pytest.mark.multinode, pytest.mark.xdist_group("clusters")]
@@ -107,6 +107,26 @@ def test_every_launcher_runs_two_ranks_on_each_node(cluster, shared, launcher, o
         assert set(a).isdisjoint(b) if launcher != "horovodrun-gloo" else a == b == sorted(os.sched_getaffinity(0)), \
             placement
     assert_same_weights(saved_weights(model), one_rank_with_four_times_the_batch, rtol=1e-4, atol=1e-5)
+
+
+def test_two_nodes_stream_one_shared_copy_of_the_shards_and_train_like_one_rank(cluster, shared):
+    """The shards on the file system every node sees, read by the 4 ranks of 2 nodes: each rank
+    trains on its own examples only, which step by step make one rank's, and the weights are one
+    rank's with 4 times the batch."""
+    data = exported(shared / "set", "tfrecord", id_images(96, 20), shards=3)
+    one_ids, one_weights, _ = run_recorded(shared, "np1", data, 1, 12, "--epochs", 2)
+    recorder(shared)
+    ids, model = shared / "ids", shared / "m.keras"
+    ids.mkdir()
+    succeeded(on_node(cluster, "node1", [*across("mpirun"), "-x", "PYTHONPATH", "-x", "IDS_DIR", PYTHON, "-m",
+                                         "hvd_sgd.train", "--model", "recorder:model", "--data-dir", data,
+                                         "--batch-size", 3, "--lr", 0.05, "--no-lr-scaling", "--epochs", 2,
+                                         "--save-model", model],
+                      extra_env=dict(PYTHONPATH=str(shared), IDS_DIR=str(ids))))
+    ranks = ids_by_rank(ids, 4)
+    assert all(r.shape == (16, 3) for r in ranks)
+    np.testing.assert_array_equal(np.concatenate(ranks, axis=1), one_ids[0])
+    assert_same_weights(saved_weights(model), one_weights, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("launcher", ["srun", "mpirun", "horovodrun"])

@@ -12,14 +12,13 @@ import time
 import psutil
 import pytest
 
-from conftest import ROOT, assert_same_weights, launch, output_lines, saved_weights, succeeded
+from conftest import (LONG_RUN, ROOT, assert_same_weights, checkpoint_from_step, ended_within, frozen, launch,
+                      output_lines, rank_process, saved_weights, start_and_wait, succeeded)
 from hvd_sgd import launchers
-from hvd_sgd.preemption import CHECK_EVERY_SECONDS, EXIT_STOPPED
-from test_reliability import (LONG_RUN, checkpoint_from_step, ended_within, frozen, rank_process, start_and_wait,
-                              uninterrupted)
+from hvd_sgd.cli import EXIT_STOPPED
+from hvd_sgd.preemption import CHECK_EVERY_SECONDS
 
 pytestmark = pytest.mark.slow
-assert uninterrupted  # a fixture: LONG_RUN on 2 ranks under mpirun, to its end
 
 
 def latest_checkpoint_step(directory):

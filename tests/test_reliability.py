@@ -3,7 +3,6 @@
 Each bad input must give one line naming the problem, from one rank; a non-zero exit on every
 rank; no hang; and no output left behind that looks valid."""
 import os
-import re
 import signal
 import subprocess
 import time
@@ -12,8 +11,9 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import (PYTHON, ROOT, assert_same_weights, error_lines, in_cgroup, launch, output_lines, rank_exits,
-                      read_json, random_arrays, reported_accuracy, saved_weights, succeeded, write_dataset, write_idx)
+from conftest import (LONG_RUN, LONG_STEPS, PYTHON, ROOT, assert_same_weights, checkpoint_from_step, ended_within,
+                      error_lines, frozen, in_cgroup, launch, output_lines, random_arrays, rank_exits, rank_process,
+                      read_json, reported_accuracy, saved_weights, start_and_wait, succeeded, write_dataset, write_idx)
 from hvd_sgd import launchers, watchdog
 
 
@@ -124,55 +124,9 @@ def test_the_error_line_is_not_lost_when_the_first_rank_starts_last():
 
 # --- a rank dies, a rank stalls -----------------------------------------------------------------
 
-def rank_process(launcher, rank):
-    """The training process of one rank among the launcher's descendants."""
-    for child in launcher.children(recursive=True):
-        try:
-            env = child.environ()
-            if child.cmdline()[:1] == [PYTHON] and rank == int(env.get("HOROVOD_RANK", env.get("OMPI_COMM_WORLD_RANK", -1))):
-                return child
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-
-
 def start_and_wait_for(launcher_name, args, ready, timeout=120):
     """Start a 2-rank run in the background; return it once ``ready()`` is true."""
     return start_and_wait(launchers.command(launcher_name, 2, "hvd_sgd.train", args), ready, timeout)
-
-
-def start_and_wait(command, ready, timeout, env=None):
-    process = subprocess.Popen(list(map(str, command)), cwd=ROOT, env=env or launchers.environment(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert process.poll() is None, ("the run ended before it got ready", process.communicate())
-        assert time.monotonic() < deadline, "the run never got ready"
-        time.sleep(0.2)
-    return process
-
-
-def ended_within(process, seconds):
-    try:
-        stdout, stderr = process.communicate(timeout=seconds)
-        return process.returncode, stdout, stderr
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail(f"the job did not end within {seconds} s")
-
-
-LONG_STEPS = 2000  # 32 steps an epoch, ~2 ms a step: seconds of run left after the first checkpoints
-LONG_RUN = ["--model", "mlp", "--train-examples", 16384, "--test-examples", 500, "--batch-size", 256,
-            "--epochs", 100, "--max-steps", LONG_STEPS, "--log-every-steps", 10, "--checkpoint-every-steps", 50]
-
-
-def frozen(process):
-    """SIGSTOP ``process`` and wait until it has stopped: the signal is delivered asynchronously, and
-    on a fast machine the run can still write a file after send_signal returns."""
-    process.send_signal(signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while process.status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return process
 
 
 def assert_ends_naming(run, rank, stopped_at, stall_timeout):
@@ -182,24 +136,6 @@ def assert_ends_naming(run, rank, stopped_at, stall_timeout):
     assert status != 0 and time.monotonic() - stopped_at < stall_timeout + 15
     lines = [line for line in output_lines(stderr) if "hvd_sgd" in line]
     assert len(lines) == 1 and f"rank(s) {rank} ({os.uname().nodename}) stopped responding" in lines[0], stderr[-3000:]
-
-
-def checkpoint_from_step(directory, step):
-    """Whether a checkpoint of ``step`` or later is recorded (older ones are rotated away, so wait for
-    any). Recorded: named in the directory's state file, which TensorFlow replaces after the
-    checkpoint's files are written and which --resume reads; a run killed between the two resumes
-    from the checkpoint before (CI once killed one there)."""
-    def recorded():
-        state = directory / "checkpoint"
-        return state.exists() and any(int(n) >= step for n in re.findall(r'ckpt-(\d+)"', state.read_text()))
-    return recorded
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    path = tmp_path_factory.mktemp("uninterrupted") / "model.keras"
-    succeeded(launch("mpirun", 2, *LONG_RUN, "--save-model", path))
-    return saved_weights(path)
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])

@@ -2,12 +2,11 @@
 import os
 import re
 import subprocess
-import time
 
 import pytest
 
-from conftest import ROOT, launch, read_json, succeeded
-from test_reliability import LONG_RUN, checkpoint_from_step
+from conftest import (LONG_RUN, ROOT, checkpoint_from_step, launch, read_json, run_job, submit_job, succeeded,
+                      wait_for_job)
 
 # run/test's xdist workers run the cluster tests (this file's and test_multinode's) on one worker, in order.
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("clusters")]
@@ -25,55 +24,6 @@ def slurm(tmp_path_factory):
         yield env
     finally:
         subprocess.run([CLUSTER, "down"], env=env, timeout=60)
-
-
-def run_job(env, *sbatch_args, timeout=240):
-    """Submit a batch job and wait for it to end; its final state."""
-    return wait_for_job(env, submit_job(env, *sbatch_args), timeout)
-
-
-def submit_job(env, *sbatch_args):
-    job = subprocess.run(["sbatch", "--parsable", *map(str, sbatch_args)], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=60)
-    job_id = job.stdout.strip().split(";")[0]
-    assert job_id.isdigit(), job.stderr
-    return job_id
-
-
-def job_state(env, job_id, patience=30):
-    """(state, restarts) of the job. A busy slurmctld can time out a query (CI saw one while a job
-    was requeued): ask again for up to ``patience`` seconds before failing with its message."""
-    deadline = time.monotonic() + patience
-    while True:
-        info = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True)
-        state, restarts = re.search(r"JobState=(\w+)", info.stdout), re.search(r"Restarts=(\d+)", info.stdout)
-        if state and restarts:
-            return state.group(1), int(restarts.group(1))
-        assert time.monotonic() < deadline, f"scontrol show job {job_id}: {info.stderr or info.stdout}"
-        time.sleep(1)
-
-
-def wait_for_job(env, job_id, timeout=240, hurry_requeued=False, until=None):
-    """Poll every half second (sbatch --wait polls every 10 s or so) until the job ends, or until
-    ``until(state, restarts)``; its state then. ``hurry_requeued``: start a requeued job after 10 s
-    pending, not the 2 minutes Slurm holds it (at once, its new step can collide with the old
-    one's teardown: "aborted before step completely launched")."""
-    deadline, pending_since = time.monotonic() + timeout, None
-    while True:
-        state, restarts = job_state(env, job_id)
-        # SIGNALING and STAGE_OUT pass as the job is signalled or ends (CI saw SIGNALING at the warning).
-        if state not in ("PENDING", "CONFIGURING", "RUNNING", "SIGNALING", "COMPLETING", "STAGE_OUT", "REQUEUED") or (
-                until and until(state, restarts)):
-            return state
-        if hurry_requeued and state == "PENDING" and restarts:
-            pending_since = pending_since or time.monotonic()
-            if time.monotonic() - pending_since > 10:
-                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env,
-                               capture_output=True)
-        else:
-            pending_since = None
-        assert time.monotonic() < deadline, f"job {job_id} still {state} after {timeout} s"
-        time.sleep(0.5)
 
 
 def requeued(times):

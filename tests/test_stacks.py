@@ -1,4 +1,4 @@
-"""What tells the two stacks apart (README, "Two stacks"): whether a wrapped Keras optimizer
+"""What tells the two stacks apart (docs/design.md, "Two stacks"): whether a wrapped Keras optimizer
 really averages the ranks' gradients. The tests marked both_stacks run on each stack."""
 import json
 import shutil

@@ -29,10 +29,10 @@ def test_every_launcher_trains_and_ranks_end_identical(launcher, np_, tmp_path, 
 
 def test_throughput_counts_the_training_steps_only(monkeypatch):
     """Not the first step (it traces), nor evaluations, nor what happens after the last step."""
-    from hvd_sgd import train
+    from hvd_sgd import loop
     now = [0.0]
-    monkeypatch.setattr(train.time, "perf_counter", lambda: now[0])
-    clock = train.StepClock()
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: now[0])
+    clock = loop.StepClock()
     clock.start(0)
     for seconds in (5.0, 1.5):
         now[0] += seconds
@@ -120,7 +120,7 @@ if hvd.rank() == 0:  # one line: unbuffered, two ranks' prints can interleave wo
 def test_horovods_thread_takes_no_cpu_while_its_rank_has_nothing_to_reduce():
     """At hvd_sgd's 0 ms cycle, Horovod 0.28.1's background thread negotiated without pause: a
     whole core while its rank waited, 13-19 % of it while training softmax. Patched
-    (run/patches/), it waits for a tensor instead (docs/benchmarks.md)."""
+    (run/patches/), it waits for a tensor instead (docs/design.md)."""
     result = succeeded(subprocess.run([shutil.which("mpirun"), "-np", "2", PYTHON, "-c", IDLE_CPU],
                                       env=launchers.environment(), cwd=ROOT, capture_output=True, text=True,
                                       timeout=120))

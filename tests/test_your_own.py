@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PYTHON, ROOT, error_lines, in_cgroup, launch, output_lines, read_json, reported_accuracy, succeeded
+from conftest import PYTHON, ROOT, error_lines, launch, peak_memory, read_json, reported_accuracy, succeeded
 from hvd_sgd import JobError, datasets, launchers, shared_data
 
 
@@ -67,34 +67,6 @@ def test_colour_images_train_in_both_programs(tmp_path):
     assert tf.keras.models.load_model(tmp_path / "m.keras").input_shape == (None, 14, 14, 3)
     assert reported_accuracy(succeeded(launch("python", 1, *data, "--steps", 30, "--lr", 0.5,
                                               module="hvd_sgd.train_v1"))) > 0.9
-
-
-# Each rank runs its program under this, which prints the program's peak resident memory.
-PEAK_MEMORY = ("import resource, subprocess, sys; status = subprocess.call(sys.argv[1:]); "
-               "print('peak KiB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(status)")
-MEMORY_CGROUPS = "/sys/fs/cgroup/memory"
-
-
-def peak_memory(data):
-    """Two ranks on ``data``: the larger rank's peak resident memory, and the job's peak in a
-    memory cgroup of its own (None without: it needs root and cgroup v1), in bytes."""
-    softmax = ["--model", "softmax", "--data-dir", data, "--max-steps", 3]
-    command = launchers.command("mpirun", 2, "hvd_sgd.train", softmax, before_program=(PYTHON, "-c", PEAK_MEMORY))
-    cgroup = f"{MEMORY_CGROUPS}/hvd_sgd-test-{os.getpid()}"
-    if os.geteuid() != 0 or not os.path.isdir(MEMORY_CGROUPS):
-        cgroup = None
-    else:
-        os.mkdir(cgroup)
-        command = in_cgroup(cgroup, command)
-    try:
-        result = succeeded(subprocess.run(command, cwd=ROOT, env=launchers.environment(), capture_output=True,
-                                          text=True, timeout=240))
-        job = int(open(f"{cgroup}/memory.max_usage_in_bytes").read()) if cgroup else None
-    finally:
-        if cgroup:
-            os.rmdir(cgroup)
-    rank = max(int(line.split()[-1]) for line in output_lines(result.stdout) if line.startswith("peak KiB"))
-    return rank * 1024, job
 
 
 def test_the_ranks_of_a_node_hold_one_copy_of_the_training_set(tmp_path):

@@ -18,6 +18,8 @@ ratios: this machine is shared and noisy, so absolute times mean little.
               all-reduce as in 4, and hvd_sgd on 2 nodes vs two independent processes as in 2
 8. project    (after network) a ring all-reduce cost model and a compute model fitted to network's
               measurements, checked against them, and projected to 8, 64 and 512 ranks
+9. input      (not by default) the same model and images from memory, image folders and TFRecords,
+              hvd_sgd on 2 ranks; images decoded a second, on one call and on every core
 
 Modules: ``contenders`` starts each contender as its own process tree, ``workers`` is what
 those processes run (``python -m hvd_sgd.bench worker KIND …``), ``protocol`` is how they

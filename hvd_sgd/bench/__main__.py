@@ -5,7 +5,9 @@ import re
 import sys
 import time
 
-from hvd_sgd.bench import __doc__, network, protocol, report, suites
+from hvd_sgd.bench import __doc__, network, protocol, record, report, suites
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
@@ -33,6 +35,11 @@ def main(argv=None):
     parser.add_argument("--lever", default=suites.DEFAULT_LEVER, metavar="NAME=VALUE",
                         help="the environment variable the lever suite sets in the rounds it runs with it "
                              "(Horovod's HOROVOD_*, Open MPI's OMPI_MCA_*, ...)")
+    parser.add_argument("--record", action="store_true",
+                        help="also keep the run as a dated record in --records-dir, with lscpu, and refresh the "
+                             "README's results table beside it (when the run has the tta, scaling and peer suites)")
+    parser.add_argument("--records-dir", default=os.path.join(PROJECT, "benchmarks"),
+                        help="where --record writes; the README it refreshes is the one in its parent directory")
     parser.add_argument("--rounds", type=int,
                         help="times each pair of contenders runs, alternating (default 3; 1 with --quick)")
     args = parser.parse_args(argv)
@@ -62,11 +69,18 @@ def main(argv=None):
     results["command"] = "python -m hvd_sgd.bench " + " ".join(argv)
     print(report.write(results, plan.results_dir))
     print(f"\n({results['seconds']:.0f} s; results in {plan.results_dir})")
+    if args.record:
+        kept = record.write(results, plan.results_dir, args.records_dir)
+        print(f"record: {kept}")
+        readme = os.path.join(os.path.dirname(os.path.abspath(args.records_dir)), "README.md")
+        if all(suite in results["suites"] for suite in record.TABLE_SUITES) and os.path.exists(readme):
+            if record.update_readme(readme, record.results_table(results, kept)):
+                print(f"results table refreshed in {readme}")
 
 
-def cli():
+def console_script():
     main()
 
 
 if __name__ == "__main__":
-    cli()
+    console_script()

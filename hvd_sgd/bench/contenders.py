@@ -75,9 +75,9 @@ def _train(np_, args, timeout=900, nodes=None, launcher="horovodrun", env=None, 
             return json.load(f), launched, ended
 
 
-def _throughput_args(np_, model, steps, nodes):
+def _throughput_args(np_, model, steps, nodes, examples=EXAMPLES_PER_EPOCH):
     threads = ["--threads-per-rank", 1] if nodes else []
-    epochs = math.ceil(steps * GLOBAL_BATCH[model] / EXAMPLES_PER_EPOCH)  # enough for --max-steps to end the run
+    epochs = math.ceil(steps * GLOBAL_BATCH[model] / examples)  # enough for --max-steps to end the run
     return ["--model", model, "--batch-size", GLOBAL_BATCH[model] // np_, "--max-steps", steps, "--epochs", epochs,
             "--test-examples", 1000, "--log-every-steps", 10 ** 6, *threads]
 
@@ -87,6 +87,22 @@ def hvd_sgd_throughput(np_, model, steps, nodes=None):
     rank: the nodes of a virtual cluster share this machine's cores."""
     metrics, *_ = _train(np_, _throughput_args(np_, model, steps, nodes), nodes=nodes)
     return metrics["images_per_second"]
+
+
+def input_sets(directory, examples, size, colour):
+    """Write the input suite's data sets under ``directory`` (workers.image_sets)."""
+    _results([_start(_worker("python", 1, "image_sets", directory, examples, size, int(colour)), CORES)])
+
+
+def streamed_throughput(data_dir, examples, model, steps):
+    """hvd_sgd on 2 ranks, as a user runs it, on ``--data-dir data_dir``: its own img/s figure."""
+    metrics, *_ = _train(2, [*_throughput_args(2, model, steps, None, examples), "--data-dir", data_dir])
+    return metrics["images_per_second"]
+
+
+def decode_rate(directory, threads):
+    """Images a second read and decoded from the input suite's image folder on ``threads`` parallel calls."""
+    return _results([_start(_worker("python", 1, "decode", directory, threads), threads)])[0]["images_per_second"]
 
 
 def allreduce_ops_per_step(np_, model, steps, nodes=None):

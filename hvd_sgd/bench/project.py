@@ -32,7 +32,7 @@ ANCHOR = dict(model="ResNet-101 (Horovod's benchmark)", gradient_bytes=170e6, st
 TRAINING_FLOP_PER_MULTIPLY_ADD = 6
 GPU = dict(name="Pascal-class GPU (P100)", step_floor=1e-3,
            flop_per_second=TRAINING_FLOP_PER_MULTIPLY_ADD * 7.6e9 * 64 / ANCHOR["step_seconds"])
-# A step of each model at the bench's per-rank batch on one H200, measured (docs/scaling.md): the
+# A step of each model at the bench's per-rank batch on one H200, measured (docs/scaling.md, "The projection"): the
 # same layers in PyTorch, fp32, launched op by op from Python. That machine had no TensorFlow that
 # Horovod 0.28.1 builds against, so hvd_sgd itself did not run on it.
 H200 = dict(name="H200 (measured, same layers in PyTorch)",

@@ -67,6 +67,8 @@ def write(results, directory):
             md += _stacks_table(rows)
         elif suite == "lever":
             md += _lever_tables(rows)
+        elif suite == "input":
+            md += _input_table(rows)
         else:
             keys = contender_names(next(iter(rows.values())))
             md += [f"| model | {' img/s | '.join(keys)} img/s | ratio | per-round ratios |",
@@ -177,6 +179,20 @@ def _lever_tables(lever):
         md.append(f"| {_size(size)} | {cell(without, 3)} | {cell(with_, 3)} | "
                   f"{cell([w / wo for w, wo in zip(with_, without)])} | {cell(to_mpi4py['without'][i])} | "
                   f"{cell(to_mpi4py['with'][i])} |")
+    return md
+
+
+def _input_table(rows):
+    """Throughput by source, 2 ranks, and the decode rate of one call and of every core."""
+    decodes = sorted({int(t) for row in rows.values() for t in row["decode_per_second"]})
+    md = ["hvd_sgd on 2 ranks, the same model and images from memory (an .npz), JPEG image folders and JPEG "
+          "TFRecord shards, alternating; img/s medians, ratios the median of the per-round ratios. Decode: "
+          "images a second one process reads and decodes from the folders, on 1 call and on every core.", "",
+          "| model and images | memory | folder | tfrecord | folder / memory | tfrecord / memory | "
+          + " | ".join(f"decode, {t} call(s)" for t in decodes) + " |", "| --- |" + " --- |" * (5 + len(decodes))]
+    md += [f"| {name} | {r['memory']:.0f} | {r['folder']:.0f} | {r['tfrecord']:.0f} | {r['folder_over_memory']:.2f} | "
+           f"{r['tfrecord_over_memory']:.2f} | " + " | ".join(f"{r['decode_per_second'][str(t)]:.0f}" for t in decodes)
+           + " |" for name, r in rows.items()]
     return md
 
 

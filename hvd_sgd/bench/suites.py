@@ -9,9 +9,9 @@ import sys
 from hvd_sgd import launchers
 from hvd_sgd.bench import contenders
 
-SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "lever", "stacks", "network", "project")
+SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "lever", "stacks", "network", "project", "input")
 # lever: without and with one environment variable; stacks: needs the current stack set up too;
-# network: root and a virtual cluster (run/cluster); project: network's results.
+# network: root and a virtual cluster (run/cluster); project: network's results; input: image files.
 DEFAULT_SUITES = SUITES[:5]
 # The lever suite's, unless --lever names another: Open MPI's shared-memory transport then copies
 # messages through its shared segment instead of process to process (CMA), a lever left to the user.
@@ -46,8 +46,8 @@ class Plan:
 
     @property
     def allreduce_blocks(self):
-        """Timed blocks a size, each loop: 15 hold the ratio hvd / mpi4py within ±10 % from run to run
-        on the fast machine type, where 5 did not (docs/benchmarks.md); quick runs check that it runs."""
+        """Timed blocks a size, each loop: enough to hold the ratio hvd / mpi4py steady from run to run,
+        where a third of them did not; quick runs check that it runs."""
         return 3 if self.quick else 15
 
 
@@ -78,6 +78,8 @@ def run(plan):
             results["suites"][suite] = stacks(plan)
         elif suite == "lever":
             results["suites"][suite] = lever(plan)
+        elif suite == "input":
+            results["suites"][suite] = input_suite(plan)
         elif suite == "tta":
             results["suites"][suite] = {c: contenders.time_to_accuracy(c, plan.quick) for c in TTA_CONTENDERS}
         else:
@@ -89,6 +91,36 @@ def run(plan):
     return results
 
 
+# The input suite's sets: (model, pixels square, colour) on MNIST's first examples (quick: fewer).
+INPUT_SETS = (("classic_cnn", 64, True), ("cnn", 28, False))
+INPUT_EXAMPLES = {True: 2048, False: 8192}  # by quick
+
+
+def input_suite(plan):
+    """The same model and images fed from memory (an .npz), from JPEG image folders and from JPEG
+    TFRecord shards, hvd_sgd on 2 ranks, the three alternating round by round; and how many images a
+    second one decode call and all cores' read and decode from the folders."""
+    import tempfile
+    rows, examples = {}, INPUT_EXAMPLES[plan.quick]
+    for model, size, colour in INPUT_SETS[:1] if plan.quick else INPUT_SETS:
+        with tempfile.TemporaryDirectory() as directory:
+            contenders.input_sets(directory, examples, size, colour)
+            sources = {"memory": "memory.npz", "folder": "folder", "tfrecord": "tfrecord"}
+            runs = {name: [] for name in sources}
+            for i in range(plan.rounds):
+                for name in (list(sources) if i % 2 == 0 else list(sources)[::-1]):
+                    runs[name].append(contenders.streamed_throughput(os.path.join(directory, sources[name]),
+                                                                     examples, model, STEPS[model, plan.quick]))
+            decode = {threads: contenders.decode_rate(directory, threads) for threads in sorted({1, contenders.CORES})}
+        rows[f"{model} {size}x{size}{'x3' if colour else ''}"] = dict(
+            **{name: statistics.median(values) for name, values in runs.items()},
+            **{f"{name}_over_memory": statistics.median(s / m for s, m in zip(runs[name], runs["memory"]))
+               for name in ("folder", "tfrecord")},
+            decode_per_second={str(t): rate for t, rate in decode.items()}, rounds=runs)
+        print(f"   {model}: {json.dumps(rows[next(reversed(rows))], default=str)[:300]}", flush=True)
+    return rows
+
+
 def stack_python(stack):
     """The Python of a stack's installation (run/lib.sh): .venv, .venv-current beside it."""
     prefix = sys.prefix.removesuffix("-current")
@@ -96,7 +128,7 @@ def stack_python(stack):
 
 
 def stacks(plan):
-    """The overhead and scaling suites on each stack (README, "Two stacks"), one after the other
+    """The overhead and scaling suites on each stack (docs/guide.md, "Two stacks"), one after the other
     for each model; then the current stack's hvd_sgd throughput over the default's, at 1 and 2 ranks."""
     rows = {}
     for model in plan.models:

@@ -2,6 +2,7 @@
 
 Each worker measures one thing and its chief reports it through ``protocol.report``.
 """
+import dataclasses
 import functools
 import json
 import os
@@ -12,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_sgd import batches, config, datasets, models, schedules
+from hvd_sgd.plan import RunPlan
 from hvd_sgd.bench import protocol
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -39,9 +41,8 @@ def _keras_setup(batch, steps, threads):
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
     splits = datasets.load("mnist")
-    n = len(splits.x_train)
-    indices = batches.rank_batch_indices(n, batch, 1, 0, 1, 0, steps, batches.steps_per_epoch(n, batch, 1))
-    return splits, indices
+    plan = RunPlan.build(world_size=1, num_examples=len(splits.x_train), per_rank_batch=batch, max_steps=steps)
+    return splits, batches.rank_batch_indices(plan, 0, 1, 0)
 
 
 def _compiled(model_name, splits):
@@ -82,15 +83,14 @@ def keras_recipe(train_examples, test_examples, epochs, threads):
     tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
     splits = datasets.load(cfg.dataset).subset(train_examples, test_examples)
     data = time.time()
-    per_epoch = batches.steps_per_epoch(len(splits.x_train), cfg.batch_size, 1)
-    indices = batches.rank_batch_indices(len(splits.x_train), cfg.batch_size, 1, 0, cfg.seed, 0, epochs * per_epoch,
-                                         per_epoch)
+    plan = RunPlan.for_training(dataclasses.replace(cfg, epochs=epochs), 1, len(splits.x_train))
+    indices = batches.rank_batch_indices(plan, 0, cfg.seed, 0)
     model = models.build(models.BUILT_IN[cfg.model], splits.input_shape, splits.num_classes, cfg.seed)
-    lr = schedules.WarmupCosine(cfg.lr, 1, False, 0, epochs * per_epoch)
-    model.compile(tf.keras.optimizers.SGD(lr, momentum=cfg.momentum, nesterov=cfg.nesterov),
+    model.compile(tf.keras.optimizers.SGD(schedules.WarmupCosine.following(plan), momentum=cfg.momentum,
+                                          nesterov=cfg.nesterov),
                   models.smoothed_cross_entropy(cfg.label_smoothing), metrics=["accuracy"])
-    built, evaluations = time.time(), Evaluations(per_epoch)
-    model.fit(batches.train_batches(splits, indices), epochs=epochs, steps_per_epoch=per_epoch, verbose=0,
+    built, evaluations = time.time(), Evaluations(plan.steps_per_epoch)
+    model.fit(batches.train_batches(splits, indices), epochs=epochs, steps_per_epoch=plan.steps_per_epoch, verbose=0,
               validation_data=batches.test_batches(splits), callbacks=[evaluations])
     protocol.report(dict(test_accuracy=evaluations.evaluations[-1]["accuracy"], evaluations=evaluations.evaluations,
                          timeline=dict(imports=imported, horovod=imported, data=data, model=built,
@@ -126,7 +126,7 @@ def allreduce(libraries, sizes, blocks):
     bandwidth is the median over its blocks (a block that the machine's noise slowed does not
     count). The ratio hvd / mpi4py is the median of the ratios of blocks timed next to each other:
     on this machine how fast two processes copy to each other moves from minute to minute, so
-    loops timed apart disagreed by more than the libraries do (docs/benchmarks.md, "5 December")."""
+    loops timed apart disagreed by more than the libraries do."""
     sizes = [int(s) for s in str(sizes).split(",")]
     loops, size, is_chief, from_rank_0 = _allreduce_loops(libraries.split(","))
     result = dict(sizes=sizes, **{key: [] for key in loops}, horovod_over_mpi4py=[])
@@ -185,4 +185,36 @@ def _allreduce_loops(libraries):
     return loops, world.size, world.is_chief, lambda n: hvd.broadcast_object(n, root_rank=0)
 
 
-WORKERS = {"keras": keras, "keras_recipe": keras_recipe, "mwms": mwms, "allreduce": allreduce}
+def image_sets(directory, examples, size, colour):
+    """The input suite's data: the first ``examples`` MNIST training images (and 1000 test images),
+    resized to ``size`` pixels square, in colour if ``colour``, as arrays in an .npz and as JPEG
+    image folders and TFRecord shards (hvd_sgd.convert), under ``directory``."""
+    from hvd_sgd import convert
+    mnist = datasets.load("mnist").subset(examples, 1000)
+
+    def converted(images):
+        return np.stack([tf.io.decode_jpeg(convert.encoded(image, (size, size), bool(colour))[0]).numpy()
+                         for image in images])
+    np.savez(os.path.join(directory, "memory.npz"), x_train=converted(mnist.x_train), y_train=mnist.y_train,
+             x_test=converted(mnist.x_test), y_test=mnist.y_test)
+    for layout in convert.LAYOUTS:
+        convert.export(mnist, os.path.join(directory, layout), layout, (size, size), bool(colour), shards=4)
+    protocol.report(dict(done=True))
+
+
+def decode(directory, threads):
+    """Images per second that a tf.data pipeline of ``threads`` parallel calls reads and decodes
+    from the image folder under ``directory`` (hvd_sgd.streams), over its training set."""
+    from hvd_sgd import catalogs, streams
+    image_set = catalogs.open_set(os.path.join(directory, "folder"))
+    plan = RunPlan.build(world_size=1, num_examples=len(image_set.train), per_rank_batch=64, epochs=1)
+    next_batch = streams.step_batches(image_set, batches.rank_batch_indices(plan, 0, 1, 0), threads)
+    next_batch()  # the pipeline starts
+    started = time.perf_counter()
+    for _ in range(plan.total_steps - 1):
+        next_batch()
+    protocol.report(dict(images_per_second=(plan.total_steps - 1) * 64 / (time.perf_counter() - started)))
+
+
+WORKERS = {"keras": keras, "keras_recipe": keras_recipe, "mwms": mwms, "allreduce": allreduce,
+           "image_sets": image_sets, "decode": decode}

@@ -1,8 +1,8 @@
 """hvd_sgd's three MNIST models, layer for layer in PyTorch, one training step on this GPU:
 eager (launched op by op from Python) and replayed as one CUDA graph.
 
-How docs/scaling.md's H200 steps were measured, on a machine with PyTorch and CUDA but no
-TensorFlow that Horovod 0.28.1 builds against: ``python3 docs/gpu_step_pytorch.py`` writes
+How the H200 steps of benchmarks/2026-12-04-h200.md were measured, on a machine with PyTorch and CUDA but no
+TensorFlow that Horovod 0.28.1 builds against: ``python3 benchmarks/gpu_step_pytorch.py`` writes
 gpu_step.json to $OUT (or here). Not part of the package: nothing imports it."""
 import json
 import os

@@ -1,0 +1,84 @@
+"""A dated record of a bench run, and the README's results table made from it.
+
+``python -m hvd_sgd.bench --record`` copies the run's results.md, results.json and plots into
+``benchmarks/<date>-<machine type>/`` with ``lscpu``'s output beside them, and, when the run has
+the suites the table reads (tta, scaling, peer), rewrites the README's table between its markers.
+"""
+import datetime
+import glob
+import os
+import shutil
+import subprocess
+
+TABLE_BEGIN, TABLE_END = "<!-- results table: written by python -m hvd_sgd.bench --record -->", "<!-- end of results table -->"
+TABLE_SUITES = ("tta", "scaling", "peer")
+
+
+def machine_type(cpuinfo="/proc/cpuinfo"):
+    """A short name for this CPU: AMD's Zen generations by family and model, else vendor-family-model."""
+    fields = {}
+    with open(cpuinfo) as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    vendor, family, model = fields.get("vendor_id", "cpu"), int(fields.get("cpu family", 0)), int(fields.get("model", 0))
+    if vendor == "AuthenticAMD":
+        zen4 = model >> 4 in (0x1, 0x6, 0x7, 0xa)  # family 25: Genoa, Phoenix, Raphael, Bergamo; the rest Zen 3
+        zen = {26: "zen5", 25: "zen4" if zen4 else "zen3", 23: "zen2"}.get(family)
+        if zen:
+            return zen
+    return f"{'intel' if vendor == 'GenuineIntel' else vendor.lower()}-{family}-{model}"
+
+
+def write(results, results_dir, records_dir, today=None):
+    """The record's directory: the run's files and lscpu, under ``records_dir``."""
+    name = f"{today or datetime.date.today().isoformat()}-{machine_type()}{'-quick' if results['quick'] else ''}"
+    directory = os.path.join(records_dir, name)
+    suffix = 1
+    while os.path.exists(directory):  # a second run the same day on the same type
+        suffix += 1
+        directory = os.path.join(records_dir, f"{name}-{suffix}")
+    os.makedirs(directory)
+    for path in [os.path.join(results_dir, "results.md"), os.path.join(results_dir, "results.json"),
+                 *glob.glob(os.path.join(results_dir, "*.png"))]:
+        shutil.copy(path, directory)
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    with open(os.path.join(directory, "lscpu.txt"), "w") as f:
+        f.write(lscpu)
+    return directory
+
+
+def results_table(results, record):
+    """The README's results table: time to 99 %, scaling against the no-all-reduce ceiling, and the
+    peers, with the machine and date in one line."""
+    suites, tta = results["suites"], results["suites"]["tta"]
+
+    def to_target(name):
+        seconds = tta[name]["to_target"]
+        return f"{seconds:.1f} s" if seconds else "not reached"
+    target = next(iter(tta.values()))["target"]
+    lines = [TABLE_BEGIN,
+             f"Measured {os.path.basename(record)[:10]} on {machine_type()} ({results['machine']['cores']} cores), "
+             f"{results['rounds']} alternating rounds a ratio: [{os.path.basename(record)}]"
+             f"(benchmarks/{os.path.basename(record)}/results.md).", "",
+             "| what | hvd_sgd | against |", "| --- | --- | --- |",
+             f"| time to {target:.0%} test accuracy, default recipe | 2 ranks {to_target('hvd_sgd_np2')}, "
+             f"1 rank {to_target('hvd_sgd_np1')} | plain Keras, one process: {to_target('keras')} |"]
+    lines += [f"| `{model}`, 2 ranks: scaling | {row['ratio']:.2f} | two 1-rank runs with no all-reduce: 1.00 |"
+              for model, row in suites["scaling"].items()]
+    lines += [f"| `{model}`, 2 ranks: speed | {row['ratio']:.2f}× | MultiWorkerMirroredStrategy, 2 workers: 1× |"
+              for model, row in suites["peer"].items()]
+    return lines + [TABLE_END]
+
+
+def update_readme(readme, table):
+    """Replace the table between the README's markers; False if it has none."""
+    with open(readme) as f:
+        text = f.read()
+    if TABLE_BEGIN not in text or TABLE_END not in text:
+        return False
+    before, rest = text.split(TABLE_BEGIN, 1)
+    after = rest.split(TABLE_END, 1)[1]
+    with open(readme, "w") as f:
+        f.write(before + "\n".join(table) + after)
+    return True
