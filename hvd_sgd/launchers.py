@@ -61,10 +61,17 @@ def command(launcher, np_, module, args=(), before_program=(), hosts=None):
     if launcher == "mpirun":
         # mpirun passes its environment to the ranks on its own host only: -x to the others.
         across = ["-H", hosts, "-x", "PYTHONUNBUFFERED"] if hosts else []
-        return [shutil.which("mpirun"), "-np", str(np_), "--oversubscribe", *across, *before_program, *program]
+        return [mpirun(), "-np", str(np_), "--oversubscribe", *across, *before_program, *program]
     across = ["-H", hosts] if hosts else []
     gloo = ["--gloo"] if launcher == "horovodrun-gloo" else []
     return [venv_bin("horovodrun"), "-np", str(np_), *across, *gloo, *program]
+
+
+def mpirun():
+    """The installation's mpirun (run/setup puts it beside the Python: the MPI's own, with hvd_sgd's
+    defaults, hvd_sgd/mpirun.py); the PATH's where there is none."""
+    beside = venv_bin("mpirun")
+    return beside if os.access(beside, os.X_OK) else shutil.which("mpirun")
 
 
 def cpu_slice(index, count):

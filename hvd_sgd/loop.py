@@ -7,7 +7,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from hvd_sgd import JobError, augment, batches, catalogs, cli, distributed, models, schedules, streams
+from hvd_sgd import JobError, augment, batches, catalogs, cli, distributed, models, precision, schedules, streams
 from hvd_sgd.config import TrainConfig
 from hvd_sgd.plan import RunPlan
 from hvd_sgd.preemption import StopRequest
@@ -40,7 +40,8 @@ class State:
     schedule: schedules.WarmupCosine  # the optimizer's learning rate
 
     def variables(self):
-        return distributed.tf_variables(self.model.variables + self.optimizer.variables) + [self.step]
+        return distributed.tf_variables(self.model.variables + self.optimizer.variables
+                                        + precision.loss_scale_variables(self.optimizer)) + [self.step]
 
     def follow(self, plan):
         """The optimizer's learning rate becomes ``plan``'s schedule (before the step is traced)."""
@@ -53,9 +54,10 @@ class Trainer:
     def __init__(self, job, plan, state, data, checkpoints=None):
         """``data``: a datasets.Splits (arrays in memory) or a catalogs.ImageSet (image files, streamed)."""
         self.job, self.plan, self.state, self.data, self.checkpoints = job, plan, state, data, checkpoints
+        self.streamed = isinstance(data, catalogs.ImageSet)
         # Every rank evaluates its own share of a streamed test set, whose reading and decoding divide
         # among the ranks; rank 0 evaluates one held in memory alone (docs/design.md, "Evaluation").
-        self.evaluates_together = isinstance(data, catalogs.ImageSet)
+        self.evaluates_together = self.streamed
         self.test_batches = None if self.evaluates_together else batches.test_batches(data)
         self.clock = StepClock()
         self.evaluations = []  # (step, epoch, accuracy, time) of each, for the summary
@@ -109,7 +111,7 @@ class Trainer:
         try:
             return train_step()
         except tf.errors.OpError:
-            found = self.evaluates_together and streams.undecodable(self.data, self.data.train, examples)
+            found = self.streamed and streams.undecodable(self.data, self.data.train, examples)
             if not found:  # not this rank's data (Horovod shut down after another rank failed, say)
                 raise
             raise cli.RankError(found) from None
@@ -122,9 +124,9 @@ class Trainer:
         try:
             return world.evaluate(self.state.model, test_batches, self.job.watchdog.progress, together)
         except tf.errors.OpError:
-            share = streams.test_share(len(self.data.test), world.rank, world.size)
-            found = together and streams.undecodable(self.data, self.data.test, share)
-            if not found:
+            found = self.streamed and together and streams.undecodable(
+                self.data, self.data.test, streams.test_share(len(self.data.test), world.rank, world.size))
+            if not found:  # not this rank's data (Horovod shut down after another rank failed, say)
                 raise
             raise cli.RankError(found) from None
 
@@ -138,7 +140,9 @@ class Trainer:
 
     def _log_progress(self, n, loss):
         import horovod.tensorflow as hvd
-        loss = finite(float(hvd.allreduce(loss)), "loss", n)  # every rank takes part in the average
+        loss = float(hvd.allreduce(loss))  # every rank takes part in the average
+        if self.job.cfg.precision != "mixed_float16":  # there a step that overflowed is skipped, not a divergence
+            finite(loss, "loss", n)
         rate, eta = self.clock.images_per_second(), self.clock.eta(n, self.plan.total_steps)
         lr = float(self.state.schedule.at_step(n))
         self.job.world.log(f"step {n}/{self.plan.total_steps}  epoch {self.plan.epoch(n):.2f}  loss {loss:.4f}  "

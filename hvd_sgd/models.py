@@ -64,7 +64,38 @@ def classic_cnn(input_shape, num_classes):
     ], name="classic_cnn")
 
 
-BUILT_IN = {"softmax": softmax, "mlp": mlp, "cnn": cnn, "classic_cnn": classic_cnn}
+def resnet20(input_shape, num_classes):
+    """The CIFAR ResNet of He et al. (2016, section 4.2), 20 layers: a 3x3 convolution of 16, then three
+    stages of 3 basic blocks (16, 32, 64 channels; the first block of the second and third halves the
+    size, with a 1x1 projection as its shortcut), global average pooling and the logits."""
+    def conv(x, filters, stride=1, kernel=3):
+        return tf.keras.layers.Conv2D(filters, kernel, stride, padding="same", use_bias=False,
+                                      kernel_initializer="he_normal")(x)
+
+    def block(x, filters, stride):
+        y = tf.keras.layers.ReLU()(tf.keras.layers.BatchNormalization()(conv(x, filters, stride)))
+        y = tf.keras.layers.BatchNormalization()(conv(y, filters))
+        shortcut = x if stride == 1 else tf.keras.layers.BatchNormalization()(conv(x, filters, stride, kernel=1))
+        return tf.keras.layers.ReLU()(tf.keras.layers.Add()([y, shortcut]))
+
+    inputs = tf.keras.Input(input_shape)
+    x = tf.keras.layers.ReLU()(tf.keras.layers.BatchNormalization()(conv(inputs, 16)))
+    for stage, filters in enumerate((16, 32, 64)):
+        for i in range(3):
+            x = block(x, filters, 2 if stage and i == 0 else 1)
+    x = tf.keras.layers.GlobalAveragePooling2D()(x)
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes, name="logits")(x), name="resnet20")
+
+
+def resnet50(input_shape, num_classes):
+    """Keras Applications' ResNet-50, channels last, from scratch (no weights), with logits: images of
+    at least 32x32 pixels."""
+    return tf.keras.applications.ResNet50(weights=None, input_shape=tuple(input_shape), classes=num_classes,
+                                          classifier_activation=None)
+
+
+BUILT_IN = {"softmax": softmax, "mlp": mlp, "cnn": cnn, "classic_cnn": classic_cnn, "resnet20": resnet20,
+            "resnet50": resnet50}
 
 
 def resolve(spec):
@@ -123,6 +154,14 @@ def build(model_fn, input_shape, num_classes, seed):
     return model
 
 
+def _exportable(layer):
+    config = layer.get_config()
+    if "dtype" in config:
+        config["dtype"] = "float32"
+    plain = tf.keras.layers.BatchNormalization if isinstance(layer, tf.keras.layers.BatchNormalization) else type(layer)
+    return plain.from_config(config)
+
+
 def _fits(declared, shape):
     return len(declared) == len(shape) and all(d is None or d == n for d, n in zip(declared, shape))
 
@@ -148,8 +187,11 @@ def check_exportable(model, path):
 
 def export(model, path):
     """Keras format, compiled with the loss and accuracy but not Horovod's optimizer, so that
-    plain TensorFlow loads and evaluates it without Horovod or hvd_sgd."""
-    exported = tf.keras.models.clone_model(model)
+    plain TensorFlow loads and evaluates it without Horovod or hvd_sgd: every layer in float32,
+    whatever precision trained it (the weights are float32 in each), and a plain BatchNormalization
+    in place of a synchronized one (the same variables; the statistics are the global batch's
+    only in training)."""
+    exported = tf.keras.models.clone_model(model, clone_function=_exportable)
     exported.set_weights(model.get_weights())
     exported.compile(optimizer=tf.keras.optimizers.SGD(), loss=model.loss, metrics=["accuracy"])
     exported.optimizer.build(exported.trainable_variables)  # saved as built: loads without warnings

@@ -20,12 +20,9 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import startup
+from hvd_sgd import SAME_REQUEST_SECONDS, startup
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-# One request often arrives twice: Ctrl-C reaches the launcher and the ranks, and mpirun forwards
-# SIGUSR1 to ranks that got it from the batch system too. Within this window it is the same request.
-SAME_REQUEST_SECONDS = 1.0
 # The ranks compare requests in an all-reduce of their own, between steps, after as many steps as
 # take this long (every step, if one takes longer): an all-reduce after every short step would cost
 # it a tenth or more of its time (docs/design.md, "The stop check"); a stop comes within a fraction of a second.

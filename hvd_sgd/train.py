@@ -17,8 +17,8 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import (JobError, __version__, checkpoint, cli, config, distributed, files, loop, models, preemption,
-                     schedules, sources, startup)
+from hvd_sgd import (JobError, __version__, checkpoint, cli, config, distributed, files, loop, models, precision,
+                     preemption, schedules, sources, startup)
 from hvd_sgd.plan import RunPlan
 from hvd_sgd.watchdog import Watchdog
 
@@ -72,11 +72,16 @@ def fit(model_fn, data, cfg=config.TrainConfig(), job=None):
     # 4. Wrap SGD in hvd.DistributedOptimizer (hvd_sgd's own under Keras 3, where Horovod's does not
     #    average): its gradients are the average over all ranks (and over the backward passes of a
     #    step: it all-reduces once, after the last).
-    model = models.build(model_fn, data.input_shape, data.num_classes, cfg.seed)
+    #    In mixed precision the layers compute in bfloat16 or float16, the logits are float32, and
+    #    float16's loss scale judges the averaged gradients, the same on every rank.
+    precision.use(cfg.precision)
+    model = precision.with_float32_logits(models.build(model_fn, data.input_shape, data.num_classes, cfg.seed),
+                                          data.input_shape)
     if cfg.save_model:
         models.check_exportable(model, cfg.save_model)
     optimizer = distributed.DistributedOptimizer(
-        tf.keras.optimizers.SGD(schedule, momentum=cfg.momentum, nesterov=cfg.nesterov),
+        precision.loss_scaled(tf.keras.optimizers.SGD(schedule, momentum=cfg.momentum, nesterov=cfg.nesterov),
+                              cfg.precision),
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
         backward_passes_per_step=plan.backward_passes)
     optimizer.build(model.trainable_variables)
@@ -113,7 +118,8 @@ def fit(model_fn, data, cfg=config.TrainConfig(), job=None):
         test_accuracy=result["accuracy"], test_loss=result["loss"], epochs=plan.epoch(steps_done),
         steps=steps_done, steps_per_epoch=plan.steps_per_epoch, world_size=plan.world_size,
         per_rank_batch=plan.per_rank_batch, backward_passes_per_step=plan.backward_passes,
-        global_batch=plan.global_batch, learning_rate=plan.peak_lr,
+        global_batch=plan.global_batch, learning_rate=plan.peak_lr, precision=cfg.precision,
+        loss_scale=precision.loss_scale(optimizer),
         images_per_second=trainer.clock.images_per_second(), wall_seconds=trainer.clock.wall_seconds(),
         test_correct=result["correct"], test_examples=result["examples"], classes=getattr(data, "class_names", None),
         timeline=started, evaluations=trainer.evaluations, weight_checksums=checksums, ranks=placement,

@@ -12,7 +12,11 @@ for that rank too. So each rank runs a thread that
   and writes checkpoints alone while the others wait for it), it names the ranks whose heartbeat
   stopped (a frozen process stops beating), or else those stuck in their files (a hung file
   system), and their hosts, prints one line (the lowest live rank does), and exits the process
-  with status 1, which makes the launcher end the job.
+  with status 1, which makes the launcher end the job;
+- listens: every beat, each rank and rank 0 send each other a datagram (``_Link``). A node cut off
+  from the network stops them at once, long before a stalled step says so: after
+  ``unreachable_after()`` seconds of silence, rank 0 names the ranks it lost and their hosts, and a
+  rank that lost rank 0 leaves (docs/design.md, "Launchers").
 """
 import atexit
 import collections
@@ -28,6 +32,10 @@ import threading
 import time
 
 BEAT_SECONDS = 1.0
+# Silence on the link that means a node is cut off. Open MPI's mpirun ends such a job itself (its
+# daemons' keepalive, 25 s with hvd_sgd's mpirun): a rank that left first would set it waiting on
+# the lost node for many minutes, so under mpirun the link waits longer than that.
+UNREACHABLE_SECONDS, UNREACHABLE_SECONDS_UNDER_MPIRUN = 15, 40
 # Read a long file in chunks of this size: each read moves the file's position, which
 # ``Watchdog.file_work`` counts as progress (one read of the whole file moves it once, at the end).
 READ_CHUNK = 8 << 20
@@ -73,6 +81,7 @@ class Watchdog:
         self.step, self.last_progress = 0, time.monotonic()
         self.working_in, self.file_state = None, None  # the files this rank works in, while it does; their state
         self.stopped = threading.Event()
+        self.link = None
 
     def start(self):
         """From here to ``stop()`` or the end of the process; the heartbeat files go at exit. A
@@ -88,6 +97,7 @@ class Watchdog:
             os.makedirs(self.directory, exist_ok=True)
             self._beat()  # at once: a rank frozen before its thread's first beat is still named with its host
             atexit.register(shutil.rmtree, self.directory, ignore_errors=True)
+            self.link = _Link(job, self.rank, self.size)
             threading.Thread(target=self._run, name="hvd_sgd-watchdog", daemon=True).start()
         return self
 
@@ -119,12 +129,19 @@ class Watchdog:
             slept, woke = time.monotonic() - woke, time.monotonic()
             if slept > 3 * BEAT_SECONDS:
                 # This process was stopped itself (a suspended job: scontrol suspend, gang
-                # scheduling) or starved of CPU: no other rank's fault. The clock starts again.
+                # scheduling) or starved of CPU: no other rank's fault. The clocks start again.
                 self.last_progress = woke
+                if self.link:
+                    self.link.heard_all(woke)
             path = self.working_in
             if path is not None and (state := _file_state(path)) != self.file_state:
                 self.file_state, self.last_progress = state, woke
             self._beat()
+            if self.link:
+                self.link.exchange()
+                lost = self.link.silent_for(unreachable_after(), woke)
+                if lost:
+                    self._fire_unreachable(lost)
             if woke - self.last_progress > self.timeout and not self._rank_0_progresses():
                 self._fire()
 
@@ -189,6 +206,73 @@ class Watchdog:
         else:
             time.sleep(2)  # let the reporting rank speak before the launcher tears the job down
         os._exit(1)
+
+
+    def _fire_unreachable(self, lost):
+        """Rank 0 names the ranks it no longer hears and ends the job; a rank that no longer hears
+        rank 0 (its own node cut off, or rank 0's) leaves without a word: it cannot be heard either."""
+        if self.rank == 0 and self._first_to_report():
+            hosts = {rank: (beat.host if (beat := self._heartbeat(rank)) else "host unknown") for rank in lost}
+            sys.stderr.write(f"hvd_sgd: error: rank(s) {', '.join(f'{r} ({h})' for r, h in hosts.items())} silent "
+                             f"for {unreachable_after():.0f} s after step {self.step} (a node cut off from the "
+                             f"network, or a frozen process); ending the job\n")
+            sys.stderr.flush()
+        os._exit(1)
+
+
+def unreachable_after():
+    """Seconds of silence on the link after which a rank is lost: longer under Open MPI's mpirun
+    (its ranks carry OMPI_MCA_orte_hnp_uri), which ends such a job itself."""
+    return UNREACHABLE_SECONDS_UNDER_MPIRUN if "OMPI_MCA_orte_hnp_uri" in os.environ else UNREACHABLE_SECONDS
+
+
+class _Link:
+    """A datagram every beat from each rank to rank 0, and from rank 0 to each rank, on this job's
+    own UDP ports: what a node cut off from the network stops at once. Each rank's address is its
+    host name's; a job across hosts whose names resolve only to loopback has no link. A peer is
+    judged only once its first datagram has come: where a site's firewall drops them, the link
+    stays silent from the start and judges no one."""
+
+    def __init__(self, job, rank, size):
+        import horovod.tensorflow as hvd
+        self.token, self.rank = job.encode(), rank
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.socket.bind(("", 0))
+        self.socket.setblocking(False)
+        host = socket.gethostname()
+        try:
+            address = socket.gethostbyname(host)
+        except OSError:
+            address = None
+        peers = hvd.allgather_object((host, address, self.socket.getsockname()[1]))  # a collective
+        hosts = {h for h, _, _ in peers}
+        usable = all(a and (len(hosts) == 1 or not a.startswith("127.")) for _, a, _ in peers)
+        ranks = range(1, size) if rank == 0 else [0]
+        self.peers = {r: peers[r][1:] for r in ranks} if usable and size > 1 else {}
+        self.heard = {}  # rank: when last heard, from its first datagram on
+
+    def heard_all(self, now):
+        self.heard = dict.fromkeys(self.heard, now)
+
+    def exchange(self):
+        """Read what came, then send this beat's datagrams."""
+        while True:
+            try:
+                data = self.socket.recv(64)
+            except (BlockingIOError, OSError):
+                break
+            token, _, sender = data.partition(b" ")
+            if token == self.token and sender.isdigit() and int(sender) in self.peers:
+                self.heard[int(sender)] = time.monotonic()
+        for address in self.peers.values():
+            try:
+                self.socket.sendto(self.token + b" " + str(self.rank).encode(), address)
+            except OSError:
+                pass  # no route: the silence will tell
+
+    def silent_for(self, seconds, now):
+        """The ranks not heard from for ``seconds``."""
+        return sorted(r for r, at in self.heard.items() if now - at > seconds)
 
 
 def _file_state(path):

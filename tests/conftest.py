@@ -20,6 +20,7 @@ import pytest
 from hvd_sgd import datasets, distributed, launchers
 
 ROOT = Path(__file__).resolve().parents[1]
+collect_ignore = ["horovod"]  # Horovod's own tests, which test_horovod_suite runs under mpirun
 PYTHON = sys.executable
 STACK = "current" if distributed.KERAS_3 else "default"  # the stack of this Python (run/lib.sh)
 # Tagged output of the launchers: "[1,0]<stdout>:" (mpirun --tag-output), "[0]<stdout>:" (Gloo).

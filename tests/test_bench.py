@@ -30,6 +30,10 @@ def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
         assert list(suites[suite]) == ["softmax"]
         row = dict(suites[suite]["softmax"])
         rounds = row.pop("rounds")
+        if suite == "scaling":  # where the step goes: parts that add up to it
+            parts = row.pop("decomposition")
+            assert parts["sum_of_parts"] == pytest.approx(parts["ranks"]["step"], rel=0.05), parts
+            assert min(parts["ranks"].values()) >= 0 and 0 < parts["efficiency"], parts
         assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in row.values()), row
         assert all(len(values) == results["rounds"] == 1 for values in rounds.values()), rounds
     for controller in ("mpi", "gloo"):
@@ -47,7 +51,7 @@ def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
         assert (row["to_target"] is None) == (row["accuracy"] < row["target"]), row
     assert len(results["verdicts"]) == 3 and all(v["passed"] in (True, False) for v in results["verdicts"])
     for name in ("results.md", "tta.png", "overhead.png", "scaling.png", "peer.png", "scaling_efficiency.png",
-                 "allreduce.png"):
+                 "allreduce.png", "decomposition.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "PASS" in (tmp_path / "results.md").read_text() or "MISS" in (tmp_path / "results.md").read_text()
     [kept] = (project / "benchmarks").iterdir()
@@ -164,3 +168,20 @@ def test_the_overlap_bound_fuses_the_gradients_that_wait_and_charges_what_is_lef
     assert operations == 2 and exposed == pytest.approx(1.2)
     exposed, operations = overlapped_allreduce(layers[:1] * 3, 8.0, 2, latency=0.1, bandwidth=1.0)
     assert operations == 3 and exposed == pytest.approx(0.4)  # each op ends before the next gradients
+
+
+@pytest.mark.slow
+def test_the_input_and_precision_suites_report_each_source_and_precision(tmp_path):
+    result = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--quick", "--suites", "input,precision", "--results-dir",
+                             str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    suites = json.loads((tmp_path / "results.json").read_text())["suites"]
+    [(name, row)] = suites["input"].items()
+    assert name == "classic_cnn 64x64x3" and min(row[k] for k in ("memory", "folder", "tfrecord")) > 0
+    assert row["folder_over_memory"] > 0 and row["tfrecord_over_memory"] > 0 and min(row["decode_per_second"].values()) > 0
+    throughput, recipe = suites["precision"]["throughput"], suites["precision"]["recipe"]
+    assert set(throughput) == {"cnn np1", "cnn np2"} and all(r["ratio"] > 0 for r in throughput.values())
+    assert set(recipe) == {f"{d} {p}" for d in ("mnist", "fashion_mnist") for p in ("float32", "mixed_bfloat16")}
+    assert all(0.1 < run["accuracy"] <= 1 for runs in recipe.values() for run in runs)
+    text = (tmp_path / "results.md").read_text()
+    assert "## input" in text and "## precision" in text

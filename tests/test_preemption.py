@@ -1,9 +1,9 @@
 """A signal stops the run cleanly: every rank after the same step, rank 0's checkpoint of exactly
 that step, one line, exit status 75; a second signal exits at once. The Slurm side (the job
 script's signal, requeue and implied resume) is in test_slurm."""
+import fcntl
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +14,7 @@ import pytest
 
 from conftest import (LONG_RUN, ROOT, assert_same_weights, checkpoint_from_step, ended_within, frozen, launch,
                       output_lines, rank_process, saved_weights, start_and_wait, succeeded)
-from hvd_sgd import launchers
+from hvd_sgd import checkpoint, launchers
 from hvd_sgd.cli import EXIT_STOPPED
 from hvd_sgd.preemption import CHECK_EVERY_SECONDS
 
@@ -30,27 +30,68 @@ def stop_lines(stderr):
     return [line for line in output_lines(stderr) if "hvd_sgd" in line and "stopped on" in line]
 
 
-# (launcher, ranks, signal, whom): how each launcher passes a signal on.
-#  - mpirun forwards SIGUSR1 to every rank; on SIGTERM it kills them 1 s later (enough here).
-#  - horovodrun over MPI runs mpirun under a shell: a terminal's Ctrl-C reaches the whole group.
-#  - horovodrun --gloo sends its workers SIGTERM on SIGTERM or SIGINT, and kills them 5 s later.
+# (launcher, ranks, signal, whom): a signal to the launcher's process alone (a supervisor's, a
+# workflow engine's or a user's kill), to a rank, or to the run's process group (a terminal's Ctrl-C).
+# The installation's mpirun (which horovodrun and run/train run) turns its signal into SIGUSR1,
+# which mpirun forwards to every rank; horovodrun --gloo sends its workers SIGTERM.
 CASES = [
     ("python", 1, signal.SIGINT, "launcher"),
     ("mpirun", 2, signal.SIGUSR1, "launcher"),
+    ("mpirun", 2, signal.SIGTERM, "launcher"),
+    ("mpirun", 2, signal.SIGINT, "launcher"),
     ("mpirun", 2, signal.SIGTERM, "rank 1"),
+    ("horovodrun", 2, signal.SIGTERM, "launcher"),
+    ("horovodrun", 2, signal.SIGUSR1, "launcher"),
     ("horovodrun", 2, signal.SIGINT, "process group"),
     ("horovodrun-gloo", 2, signal.SIGTERM, "launcher"),
+    ("horovodrun-gloo", 2, signal.SIGUSR1, "launcher"),
+    ("run/train", 2, signal.SIGTERM, "launcher"),
 ]
+
+
+def command(launcher, np_, args):
+    if launcher == "run/train":  # NP ranks under the installation's mpirun, after a set-up check
+        return [ROOT / "run" / "train", *args]
+    return launchers.command(launcher, np_, "hvd_sgd.train", args)
+
+
+def left_running(session, seconds=5):
+    """The processes of the run's session (start_new_session) still there after ``seconds``: none,
+    once it has ended (a process being reaped, a zombie, is gone)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = []
+        for process in psutil.process_iter(["pid"]):
+            try:
+                if os.getsid(process.pid) == session and process.status() != psutil.STATUS_ZOMBIE:
+                    left.append(" ".join(process.cmdline()))
+            except (psutil.NoSuchProcess, ProcessLookupError, psutil.AccessDenied):
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def unlocked(directory):
+    """Whether a new run could take ``directory`` (checkpoint.LOCK_FILE is free)."""
+    with open(directory / checkpoint.LOCK_FILE, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
 
 
 @pytest.mark.parametrize("launcher,np_,signum,whom", CASES, ids=[f"{c[0]}-{c[2].name}-{c[3]}" for c in CASES])
 def test_a_signal_stops_every_rank_after_the_same_step_with_its_checkpoint(launcher, np_, signum, whom, tmp_path,
                                                                            uninterrupted):
+    """Every rank after the same step, its checkpoint, one line, status 75, nothing left running,
+    the checkpoint directory free for the next run."""
     checkpoints = tmp_path / "ckpt"
     batch = ["--batch-size", 512] if np_ == 1 else []  # the global batch of 2 ranks x 256
-    run = start_and_wait(launchers.command(launcher, np_, "hvd_sgd.train",
-                                           [*LONG_RUN, *batch, "--max-steps", 100000, "--checkpoint-dir", checkpoints]),
-                         checkpoint_from_step(checkpoints, 100), timeout=120)
+    run = start_and_wait(command(launcher, np_, [*LONG_RUN, *batch, "--max-steps", 100000,
+                                                 "--checkpoint-dir", checkpoints]),
+                         checkpoint_from_step(checkpoints, 100), timeout=120, env=launchers.environment(NP=str(np_)))
     if whom == "launcher":
         run.send_signal(signum)
     elif whom == "process group":  # the run's own (start_new_session), as a terminal's Ctrl-C reaches it
@@ -64,12 +105,12 @@ def test_a_signal_stops_every_rank_after_the_same_step_with_its_checkpoint(launc
     stopped_at = int(line.split(" at step ")[1].split("/")[0])
     assert latest_checkpoint_step(checkpoints) == stopped_at, line
     assert f"checkpoint saved in {checkpoints}: the same command with --resume continues" in line
-    # horovodrun --gloo reports its workers' non-zero exit with a traceback of its own; no rank has one.
-    ranks_output = stderr if launcher != "horovodrun-gloo" else "\n".join(
-        line for line in stderr.splitlines() if line.startswith("["))
-    assert "Traceback" not in ranks_output, stderr[-3000:]
-    if launcher in ("python", "mpirun"):  # the launchers that pass the rank's status on (horovodrun: 1, or
-        assert status == EXIT_STOPPED, (status, stderr[-2000:])  # under Gloo 0 or 1, its own choice)
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if whom == "process group":  # mpirun got the SIGINT too, and ends as it aborts a job: 1
+        assert status != 0, stderr[-2000:]
+    else:
+        assert status == EXIT_STOPPED, (status, stderr[-2000:])
+    assert not left_running(run.pid) and unlocked(checkpoints)
     if launcher == "mpirun" and signum == signal.SIGUSR1:  # nothing lost: resumed, it ends where one run ends
         model = tmp_path / "resumed.keras"
         resumed = succeeded(launch("mpirun", 2, *LONG_RUN, "--checkpoint-dir", checkpoints, "--resume",
@@ -149,7 +190,7 @@ if hvd.rank() == 0:
 def test_the_ranks_agree_on_the_request_and_on_when_to_ask_again():
     """Every rank gets the same answer: some rank was signalled, and the next check comes after
     CHECK_EVERY_SECONDS of the slowest rank's steps (after one step while no step was timed)."""
-    result = succeeded(subprocess.run([shutil.which("mpirun"), "-np", "2", sys.executable, "-c", CHECK_INTERVALS],
+    result = succeeded(subprocess.run([launchers.mpirun(), "-np", "2", sys.executable, "-c", CHECK_INTERVALS],
                                       env=launchers.environment(), cwd=ROOT, capture_output=True, text=True,
                                       timeout=120))
     answers = json.loads(output_lines(result.stdout)[-1])

@@ -79,7 +79,7 @@ BAD_INPUT = {
     "batch size 0": (flags("--batch-size", 0), "--batch-size must be at least 1"),
     "batch larger than a shard": (flags("--train-examples", 256, "--batch-size", 200), "larger than a rank's shard"),
     "more ranks than examples": (flags("--train-examples", 1), "2 ranks but only 1 training examples"),
-    "unknown model": (flags("--model", "resnet50"), "invalid choice: 'resnet50'"),
+    "unknown model": (flags("--model", "lenet"), "invalid choice: 'lenet'"),
     "resume with another model's checkpoint": (checkpoint_of_another_model, "does not fit this model"),
     "resume with no checkpoint": (lambda t: ["--checkpoint-dir", t / "empty", "--resume"], "no readable checkpoint"),
     "checkpoint index pointing outside the directory": (checkpoint_index_pointing_outside, "no readable checkpoint"),

@@ -15,7 +15,7 @@ from hvd_sgd import launchers
 from hvd_sgd.bench import protocol
 
 # softmax: the seed's 100 per rank on 2 ranks; cnn: its default, 32 per rank.
-GLOBAL_BATCH = {"softmax": 200, "classic_cnn": 128, "cnn": 64}
+GLOBAL_BATCH = {"softmax": 200, "classic_cnn": 128, "cnn": 64, "resnet20": 128}
 EXAMPLES_PER_EPOCH = 60000  # MNIST's training set, which every contender trains on
 
 
@@ -82,11 +82,17 @@ def _throughput_args(np_, model, steps, nodes, examples=EXAMPLES_PER_EPOCH):
             "--test-examples", 1000, "--log-every-steps", 10 ** 6, *threads]
 
 
-def hvd_sgd_throughput(np_, model, steps, nodes=None):
-    """hvd_sgd itself, as a user runs it: its own img/s figure. Across ``nodes``, one thread per
-    rank: the nodes of a virtual cluster share this machine's cores."""
-    metrics, *_ = _train(np_, _throughput_args(np_, model, steps, nodes), nodes=nodes)
+def hvd_sgd_throughput(np_, model, steps, nodes=None, extra=()):
+    """hvd_sgd itself, as a user runs it (with the flags ``extra``): its own img/s figure. Across
+    ``nodes``, one thread per rank: the nodes of a virtual cluster share this machine's cores."""
+    metrics, *_ = _train(np_, [*_throughput_args(np_, model, steps, nodes), *extra], nodes=nodes)
     return metrics["images_per_second"]
+
+
+def recipe(np_, *args):
+    """The default recipe (with ``args``) on ``np_`` ranks under mpirun, as run/train starts it: its
+    metrics, and the command's start and end."""
+    return _train(np_, list(args), launcher="mpirun")
 
 
 def input_sets(directory, examples, size, colour):
@@ -244,6 +250,18 @@ def independent_2x1(model, steps, bound=True):
         halves = [None, None]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         return sum(pool.map(lambda half: _train(1, args, cpus=half)[0]["images_per_second"], halves))
+
+
+def decomposed(model, steps, np_=2):
+    """hvd_sgd's step on ``np_`` ranks of one job (workers.decompose), and the ceiling's: the same on
+    each of two processes at once, bound to half of the CPUs each, with no all-reduce. Each its
+    ranks' timestamps."""
+    args = (model, GLOBAL_BATCH[model], steps)
+    together = _results([_start(_worker("mpirun", np_, "decompose", *args, 0), 1)])[0]
+    halves = [launchers.cpu_slice(i, 2) for i in range(2)]
+    alone = [_start(_worker("python", 1, "decompose", model, GLOBAL_BATCH[model] // 2, steps, max(1, len(half))), 1,
+                    half or None) for half in halves]
+    return together, [report for report in _results(alone)]
 
 
 def mwms_np2(model, steps):

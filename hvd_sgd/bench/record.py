@@ -30,6 +30,12 @@ def machine_type(cpuinfo="/proc/cpuinfo"):
     return f"{'intel' if vendor == 'GenuineIntel' else vendor.lower()}-{family}-{model}"
 
 
+def cpu_name(cpuinfo="/proc/cpuinfo"):
+    """The CPU's model name, as lscpu prints it."""
+    with open(cpuinfo) as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "a CPU")
+
+
 def write(results, results_dir, records_dir, today=None):
     """The record's directory: the run's files and lscpu, under ``records_dir``."""
     name = f"{today or datetime.date.today().isoformat()}-{machine_type()}{'-quick' if results['quick'] else ''}"
@@ -58,7 +64,8 @@ def results_table(results, record):
         return f"{seconds:.1f} s" if seconds else "not reached"
     target = next(iter(tta.values()))["target"]
     lines = [TABLE_BEGIN,
-             f"Measured {os.path.basename(record)[:10]} on {machine_type()} ({results['machine']['cores']} cores), "
+             f"Measured {os.path.basename(record)[:10]} on {cpu_name()} ({machine_type()}, {results['machine']['cores']} "
+             f"cores), "
              f"{results['rounds']} alternating rounds a ratio: [{os.path.basename(record)}]"
              f"(benchmarks/{os.path.basename(record)}/results.md).", "",
              "| what | hvd_sgd | against |", "| --- | --- | --- |",

@@ -69,12 +69,16 @@ def write(results, directory):
             md += _lever_tables(rows)
         elif suite == "input":
             md += _input_table(rows)
+        elif suite == "precision":
+            md += _precision_tables(rows)
         else:
             keys = contender_names(next(iter(rows.values())))
             md += [f"| model | {' img/s | '.join(keys)} img/s | ratio | per-round ratios |",
                    "| --- |" + " --- |" * (len(keys) + 2)]
             md += [f"| {m} | {' | '.join(f'{r[k]:.0f}' for k in keys)} | {r['ratio']:.2f} | "
                    f"{', '.join(f'{x:.2f}' for x in r['rounds']['ratio'])} |" for m, r in rows.items()]
+            if suite == "scaling" and all("decomposition" in r for r in rows.values()):
+                md += ["", *_decomposition_table(rows)]
         md.append("")
     md += ["## Targets", "", "| target | measured | needed | |", "| --- | --- | --- | --- |"]
     md += [f"| {v['target']} | {v['measured']} | {v['minimum']} | {'PASS' if v['passed'] else 'MISS'} |"
@@ -182,6 +186,21 @@ def _lever_tables(lever):
     return md
 
 
+def _decomposition_table(rows):
+    """Each model's step on 2 ranks and the ceiling's, in its parts, and what 2 ranks lose in each."""
+    from hvd_sgd.bench.decomposition import PARTS
+    md = ["Where the step goes (ms, the mean over steps and ranks; workers.decompose: hvd_sgd's step with "
+          "timestamps around its parts). Each cell: 2 ranks / the ceiling (two processes at once, no all-reduce), "
+          "then what 2 ranks lose. The parts add up to the step.", "",
+          f"| model | step | efficiency | {' | '.join(PARTS)} |", "| --- | --- | --- |" + " --- |" * len(PARTS)]
+    for model, r in rows.items():
+        d = r["decomposition"]
+        cells = [f"{d['ranks'][p]:.3f} / {d['ceiling'][p]:.3f} ({d['lost'][p]:+.3f})" for p in PARTS]
+        md.append(f"| {model} | {d['ranks']['step']:.3f} / {d['ceiling']['step']:.3f} | {d['efficiency']:.2f} | "
+                  + " | ".join(cells) + " |")
+    return md
+
+
 def _input_table(rows):
     """Throughput by source, 2 ranks, and the decode rate of one call and of every core."""
     decodes = sorted({int(t) for row in rows.values() for t in row["decode_per_second"]})
@@ -193,6 +212,22 @@ def _input_table(rows):
     md += [f"| {name} | {r['memory']:.0f} | {r['folder']:.0f} | {r['tfrecord']:.0f} | {r['folder_over_memory']:.2f} | "
            f"{r['tfrecord_over_memory']:.2f} | " + " | ".join(f"{r['decode_per_second'][str(t)]:.0f}" for t in decodes)
            + " |" for name, r in rows.items()]
+    return md
+
+
+def _precision_tables(rows):
+    md = [f"CPU features: {', '.join(rows['cpu'])}. Throughput, hvd_sgd's img/s, the precisions alternating; ratio: "
+          "mixed_bfloat16 / float32, the median of the per-round ratios.", "",
+          "| model | float32 | mixed_bfloat16 | ratio | per-round |", "| --- | --- | --- | --- | --- |"]
+    md += [f"| {name} | {r['float32']:.0f} | {r['mixed_bfloat16']:.0f} | {r['ratio']:.2f} | "
+           f"{', '.join(f'{b / f:.2f}' for b, f in zip(r['rounds']['mixed_bfloat16'], r['rounds']['float32']))} |"
+           for name, r in rows["throughput"].items()]
+    md += ["", "The default recipe on 2 ranks: test accuracy by seed, and seconds from the command to 0.99.", "",
+           "| data and precision | accuracy | to 0.99, s |", "| --- | --- | --- |"]
+    for name, runs in rows["recipe"].items():
+        accuracies = ", ".join(f"{r['accuracy']:.4f}" for r in runs)
+        times = ", ".join(f"{r['to_99']:.1f}" if r["to_99"] else "-" for r in runs)
+        md.append(f"| {name} | {accuracies} | {times} |")
     return md
 
 
@@ -222,6 +257,20 @@ def _plot(results, directory):
             ax.set_title(f"{suite}: {model} (ratio {row['ratio']:.2f})")
             ax.set_ylabel("images / second")
         _save(fig, directory, f"{suite}.png")
+    if all("decomposition" in r for r in results["suites"].get("scaling", {1: {}}).values()):
+        from hvd_sgd.bench.decomposition import PARTS
+        rows = results["suites"]["scaling"]
+        fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.5), squeeze=False)
+        for ax, (model, r) in zip(axes[0], rows.items()):
+            bottom = [0.0, 0.0]
+            for part in PARTS:
+                heights = [r["decomposition"]["ranks"][part], r["decomposition"]["ceiling"][part]]
+                ax.bar(["2 ranks", "ceiling"], heights, bottom=bottom, label=part)
+                bottom = [b + h for b, h in zip(bottom, heights)]
+            ax.set_title(f"{model}: efficiency {r['decomposition']['efficiency']:.2f}")
+            ax.set_ylabel("ms a step")
+        axes[0][0].legend(fontsize="small")
+        _save(fig, directory, "decomposition.png")
     if "scaling" in results["suites"]:
         rows = results["suites"]["scaling"]
         fig, ax = plt.subplots(figsize=(4.5, 3.5))

@@ -7,11 +7,13 @@ import statistics
 import sys
 
 from hvd_sgd import launchers
-from hvd_sgd.bench import contenders
+from hvd_sgd.bench import contenders, decomposition
 
-SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "lever", "stacks", "network", "project", "input")
+SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "lever", "stacks", "network", "project", "input",
+          "precision")
 # lever: without and with one environment variable; stacks: needs the current stack set up too;
-# network: root and a virtual cluster (run/cluster); project: network's results; input: image files.
+# network: root and a virtual cluster (run/cluster); project: network's results; input: image files;
+# precision: float32 against mixed_bfloat16.
 DEFAULT_SUITES = SUITES[:5]
 # The lever suite's, unless --lever names another: Open MPI's shared-memory transport then copies
 # messages through its shared segment instead of process to process (CMA), a lever left to the user.
@@ -26,7 +28,7 @@ PAIRS = {
 }
 TTA_CONTENDERS = ("hvd_sgd_np1", "hvd_sgd_np2", "keras")
 STEPS = {("softmax", True): 300, ("softmax", False): 3000, ("classic_cnn", True): 40, ("classic_cnn", False): 300,
-         ("cnn", True): 100, ("cnn", False): 1000}  # (model, quick)
+         ("cnn", True): 100, ("cnn", False): 1000, ("resnet20", True): 10, ("resnet20", False): 100}  # (model, quick)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +82,17 @@ def run(plan):
             results["suites"][suite] = lever(plan)
         elif suite == "input":
             results["suites"][suite] = input_suite(plan)
+        elif suite == "precision":
+            results["suites"][suite] = precision_suite(plan)
         elif suite == "tta":
             results["suites"][suite] = {c: contenders.time_to_accuracy(c, plan.quick) for c in TTA_CONTENDERS}
         else:
             rows = {}
             for model in plan.models:
                 rows[model] = paired(PAIRS[suite], model, STEPS[model, plan.quick], plan.rounds)
+                if suite == "scaling":  # where 2 ranks' step goes, against the ceiling's
+                    rows[model]["decomposition"] = decomposition.row(
+                        *contenders.decomposed(model, STEPS[model, plan.quick]))
                 print(f"   {model}: {json.dumps(rows[model])}", flush=True)
             results["suites"][suite] = rows
     return results
@@ -118,6 +125,43 @@ def input_suite(plan):
                for name in ("folder", "tfrecord")},
             decode_per_second={str(t): rate for t, rate in decode.items()}, rounds=runs)
         print(f"   {model}: {json.dumps(rows[next(reversed(rows))], default=str)[:300]}", flush=True)
+    return rows
+
+
+PRECISION_MODELS = ("cnn", "classic_cnn", "resnet20")
+PRECISIONS = ("float32", "mixed_bfloat16")
+
+
+def precision_suite(plan):
+    """float32 against mixed_bfloat16: each model's throughput on 1 and 2 ranks, the two alternating
+    round by round; then the default recipe's accuracy on MNIST and Fashion-MNIST in each (3 seeds;
+    1 with --quick, on a subset), with its time to 0.99 on MNIST; and the CPU's bfloat16 features."""
+    flags = set(open("/proc/cpuinfo").read().split())
+    rows = dict(cpu=sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "avx512f", "avx2"}),
+                throughput={}, recipe={})
+    for model in PRECISION_MODELS[:1] if plan.quick else PRECISION_MODELS:
+        for np_ in (1, 2):
+            runs = {p: [] for p in PRECISIONS}
+            for i in range(plan.rounds):
+                for p in (PRECISIONS if i % 2 == 0 else PRECISIONS[::-1]):
+                    runs[p].append(contenders.hvd_sgd_throughput(np_, model, STEPS[model, plan.quick],
+                                                                 extra=("--precision", p)))
+            rows["throughput"][f"{model} np{np_}"] = dict(
+                **{p: statistics.median(v) for p, v in runs.items()},
+                ratio=statistics.median(b / f for b, f in zip(runs["mixed_bfloat16"], runs["float32"])), rounds=runs)
+            print(f"   {model} np{np_}: {rows['throughput'][f'{model} np{np_}']['ratio']:.2f}", flush=True)
+    subset = ["--train-examples", 4000, "--test-examples", 1000, "--epochs", 1] if plan.quick else []
+    for dataset in ("mnist", "fashion_mnist"):
+        for p in PRECISIONS:
+            runs = []
+            for seed in (1,) if plan.quick else (1, 2, 3):
+                metrics, launched, _ = contenders.recipe(2, "--dataset", dataset, "--precision", p, "--seed", seed,
+                                                         *subset)
+                reached = next((e for e in metrics["evaluations"] if e["accuracy"] >= 0.99), None)
+                runs.append(dict(seed=seed, accuracy=metrics["test_accuracy"],
+                                 to_99=reached and reached["time"] - launched))
+            rows["recipe"][f"{dataset} {p}"] = runs
+            print(f"   {dataset} {p}: {[r['accuracy'] for r in runs]}", flush=True)
     return rows
 
 
@@ -189,4 +233,4 @@ def paired(pair, model, steps, rounds):
 
 def contender_names(row):
     """The two contenders' names in a row made by ``paired``."""
-    return [k for k in row if k not in ("ratio", "rounds")]
+    return [k for k in row if k not in ("ratio", "rounds", "decomposition")]

@@ -185,6 +185,47 @@ def _allreduce_loops(libraries):
     return loops, world.size, world.is_chief, lambda n: hvd.broadcast_object(n, root_rank=0)
 
 
+def decompose(model_name, global_batch, steps, threads):
+    """hvd_sgd's step (its batch gathered in the step, the model's forward and backward pass, one
+    grouped all-reduce of the gradients, SGD's update), timed in its parts on every rank with
+    timestamps inside the compiled step; the chief reports every rank's. Run as ``np`` ranks of one
+    job, or alone (the ceiling: no all-reduce)."""
+    from hvd_sgd import startup
+    world = startup.start(threads_per_rank=threads)
+    import horovod.tensorflow as hvd
+    splits = datasets.load("mnist")
+    plan = RunPlan.build(world_size=world.size, num_examples=len(splits.x_train),
+                         per_rank_batch=global_batch // world.size, max_steps=steps)
+    next_batch = batches.step_batches(splits, batches.rank_batch_indices(plan, world.rank, 1, 0), world.threads)
+    model = models.build(models.BUILT_IN[model_name], splits.input_shape, splits.num_classes, 1)
+    optimizer, loss = tf.keras.optimizers.SGD(0.01, momentum=0.9), models.smoothed_cross_entropy(0.1)
+    optimizer.build(model.trainable_variables)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+
+    def step():
+        start = tf.timestamp()
+        with tf.control_dependencies([start]):
+            images, labels = next_batch()
+        with tf.GradientTape() as tape:
+            value = loss(labels, model(images, training=True))
+        grads = tape.gradient(value, model.trainable_variables)
+        with tf.control_dependencies(grads):
+            computed = tf.timestamp()
+        with tf.control_dependencies([computed]):
+            grads = hvd.grouped_allreduce(grads, op=hvd.Average) if world.size > 1 else [tf.identity(g) for g in grads]
+        with tf.control_dependencies(grads):
+            reduced = tf.timestamp()
+        with tf.control_dependencies([reduced]):
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return tf.stack([start, computed, reduced, tf.timestamp()])  # after the update: stateful ops keep their order
+
+    timed = tf.function(step).get_concrete_function()
+    times = np.array([timed().numpy() for _ in range(steps)])[min(10, steps // 5):]  # the first steps trace, warm up
+    every = hvd.allgather_object(dict(host=world.placement()["host"], times=times.tolist()))
+    if world.is_chief:
+        protocol.report(dict(ranks=every, global_batch=global_batch))
+
+
 def image_sets(directory, examples, size, colour):
     """The input suite's data: the first ``examples`` MNIST training images (and 1000 test images),
     resized to ``size`` pixels square, in colour if ``colour``, as arrays in an .npz and as JPEG
@@ -217,4 +258,4 @@ def decode(directory, threads):
 
 
 WORKERS = {"keras": keras, "keras_recipe": keras_recipe, "mwms": mwms, "allreduce": allreduce,
-           "image_sets": image_sets, "decode": decode}
+           "image_sets": image_sets, "decode": decode, "decompose": decompose}
