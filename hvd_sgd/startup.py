@@ -13,11 +13,11 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError, launchers
+from hvd_sgd import JobError, launchers, mpirun
 
 try:
     import horovod.tensorflow as hvd
-except ImportError as e:  # reported by start(), after the clearer version checks
+except (ImportError, tf.errors.NotFoundError) as e:  # reported by start(), after the clearer checks
     hvd, _HOROVOD_IMPORT_ERROR = None, e
 
 # Set by the launchers before our process starts: Horovod's Gloo launcher, Open MPI, PMIx (srun --mpi=pmix), PMI.
@@ -58,6 +58,17 @@ def check_versions():
                        f"is installed: rebuild Horovod (run/setup) or reinstall TensorFlow {built_against}")
 
 
+def check_mpi():
+    """Stop, in one line, a rank that another MPI's launcher started than the MPI Horovod was built
+    with: MPI_Init would abort every rank, each with its own error (a `module swap` after run/setup,
+    or another mpirun on the PATH)."""
+    built, launcher = mpirun.recorded(), mpirun.launched_by()
+    if mpirun.mismatch(built.get("mpi"), launcher):
+        raise JobError(f"Horovod is built with {built['mpi']} ({built['prefix']}) but {launcher}'s launcher started "
+                       f"this rank: start it with the installation's mpirun, or load {built['mpi']}; "
+                       f"run/setup builds for the MPI on the PATH")
+
+
 def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     """hvd.init, then pin this rank to one GPU (by local rank) and to its share of the CPU cores.
 
@@ -69,6 +80,7 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     """
     imported = time.time()  # Python, TensorFlow, Horovod and the arguments: before this
     check_versions()
+    check_mpi()
     if not any(name.startswith("HOROVOD_STALL_") for name in os.environ):
         os.environ.update({"HOROVOD_STALL_CHECK_DISABLE": "1"} if stall_timeout is None else {
             "HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, int(stall_timeout) // 2)),
@@ -81,10 +93,14 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     # (hvd_sgd's default) TensorFlow pools through oneDNN's allocator instead; this is for oneDNN off.
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     if hvd is None:
-        raise JobError(f"Horovod's TensorFlow extension does not load ({_HOROVOD_IMPORT_ERROR}): "
-                       f"rebuild it with run/setup --force")
+        built = mpirun.recorded().get("mpi")
+        raise JobError(f"Horovod's TensorFlow extension does not load ({_HOROVOD_IMPORT_ERROR}): " + (
+            f"it is built with {built} ({mpirun.recorded()['prefix']}): load that MPI, or run run/setup with the "
+            f"one you load" if built and "libmpi" in str(_HOROVOD_IMPORT_ERROR) else "rebuild it with run/setup --force"))
     trace_horovod_without_autograph()
     if launched_by_mpi():
+        if mpirun.mpi4py_abi():
+            os.environ.setdefault("MPI4PY_MPIABI", mpirun.mpi4py_abi())
         from mpi4py import MPI
         hvd.init(comm=MPI.COMM_WORLD)
     else:

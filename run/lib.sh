@@ -1,19 +1,39 @@
-# Shared by the run/ scripts: paths and the Debian-package helper. Source it; do not run it.
+# Shared by the run/ scripts: paths, the stack and the Debian-package helper. Source it; do not run it.
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-# Two stacks (docs/guide.md, "Two stacks"): default, TensorFlow 2.15 with Keras 2, in .venv; current, the
-# newest TensorFlow with Keras 3 and a patched Horovod build, in .venv-current.
-STACK=${HVD_SGD_STACK:-default}
-case $STACK in
-    default) VENV=${HVD_SGD_VENV:-$ROOT/.venv} ;;
-    current) VENV=${HVD_SGD_VENV:-$ROOT/.venv}-current ;;
-    *) echo "[hvd_sgd] error: HVD_SGD_STACK=$STACK: choose default or current" >&2; exit 2 ;;
-esac
+PYTHON=${PYTHON:-python3}
 
 say() { echo "[hvd_sgd] $*" >&2; }
 die() { echo "[hvd_sgd] error: $*" >&2; exit 1; }
 
+# Two stacks (docs/guide.md, "Two stacks"): default, TensorFlow 2.15 with Keras 2, in .venv; current, the
+# newest TensorFlow with Keras 3 and a patched Horovod build, in .venv-current. Unless HVD_SGD_STACK
+# names one, the Python picks: TensorFlow 2.15 has no wheels past Python 3.11.
+python_version=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) ||
+    die "no Python at PYTHON=$PYTHON: set PYTHON to a Python 3.9 to 3.13"
+if [ -z "${HVD_SGD_STACK:-}" ]; then
+    case $python_version in
+        3.9|3.10|3.11) STACK=default ;;
+        3.12|3.13) STACK=current
+            say "$PYTHON is Python $python_version: the current stack (TensorFlow 2.21, Keras 3), in .venv-current; the default stack's TensorFlow 2.15 needs Python 3.9 to 3.11" ;;
+        *) die "$PYTHON is Python $python_version: hvd_sgd needs Python 3.9 to 3.11 (default stack) or 3.10 to 3.13 (current stack); set PYTHON to one" ;;
+    esac
+    export HVD_SGD_STACK=$STACK  # picked once: the scripts these start keep it, and say nothing
+else
+    STACK=$HVD_SGD_STACK
+fi
+case $STACK in
+    default) VENV=${HVD_SGD_VENV:-$ROOT/.venv} ;;
+    current) VENV=${HVD_SGD_VENV:-$ROOT/.venv}-current ;;
+    *) die "HVD_SGD_STACK=$STACK: choose default or current" ;;
+esac
+# Debian packages can be installed here: apt and dpkg, and root or sudo without a password.
+can_install_debian() {
+    command -v apt-get >/dev/null && command -v dpkg-query >/dev/null &&
+        { [ "$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }
+}
+
 as_root() {
-    if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+    if [ "$(id -u)" = 0 ]; then "$@"; elif sudo -n true 2>/dev/null; then sudo -n "$@"; else
         die "need root (or sudo) to run: $*"; fi
 }
 
@@ -26,6 +46,5 @@ ensure_debian_packages() {
     [ ${#missing[@]} -eq 0 ] && return 0
     say "installing Debian packages: ${missing[*]}"
     as_root apt-get update -qq
-
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }

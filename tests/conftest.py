@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 collect_ignore = ["horovod"]  # Horovod's own tests, which test_horovod_suite runs under mpirun
 PYTHON = sys.executable
 STACK = "current" if distributed.KERAS_3 else "default"  # the stack of this Python (run/lib.sh)
-# Tagged output of the launchers: "[1,0]<stdout>:" (mpirun --tag-output), "[0]<stdout>:" (Gloo).
-_TAG = re.compile(r"^\[[\d,]+\]<std(?:out|err)>:")
+# Tagged output of the launchers: "[1,0]<stdout>:" (mpirun --tag-output), "[0]<stdout>:" (Gloo),
+# "[0] " (horovodrun over MPICH: -prepend-rank); Open MPI 5 puts a space after the tag.
+_TAG = re.compile(r"^(\[[\d,]+\]<std(?:out|err)>: ?|\[\d+\] )")
 
 
 def launch(launcher, np_, *args, module="hvd_sgd.train", timeout=240, env=None, exits_dir=None, wrapper=()):

@@ -6,8 +6,9 @@ import subprocess
 
 import pytest
 
-from conftest import PYTHON, ROOT
-from hvd_sgd.bench import record
+from conftest import PYTHON, ROOT, assert_same_weights, launch, reported_accuracy, succeeded, train_and_save
+from hvd_sgd import launchers
+from hvd_sgd.bench import layout, record
 from hvd_sgd.bench.suites import stack_python
 
 
@@ -185,3 +186,49 @@ def test_the_input_and_precision_suites_report_each_source_and_precision(tmp_pat
     assert all(0.1 < run["accuracy"] <= 1 for runs in recipe.values() for run in runs)
     text = (tmp_path / "results.md").read_text()
     assert "## input" in text and "## precision" in text
+
+
+def test_the_layout_suite_times_each_layout_of_the_node_and_names_the_fastest(tmp_path):
+    result = subprocess.run([PYTHON, "-m", "hvd_sgd.bench", "--quick", "--suites", "layout", "--models", "softmax",
+                             "--results-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = json.loads((tmp_path / "results.json").read_text())["suites"]["layout"]["softmax"]
+    cores = os.cpu_count()
+    assert [(r["ranks"], r["threads"]) for r in row["layouts"]] == layout.layouts(cores)
+    assert all(r["images_per_second"] > 0 and 0 < r["of_fastest"] <= 1 for r in row["layouts"])
+    fastest = row["fastest"]
+    assert fastest["ranks"] * fastest["threads"] == cores
+    assert f"mpirun -np {fastest['ranks']} " in row["commands"][0]
+    assert f"--ntasks-per-node={fastest['ranks']} --cpus-per-task={fastest['threads']}" in row["commands"][-1]
+    assert "## layout" in (tmp_path / "results.md").read_text()
+
+
+def test_every_layout_trains_the_same_weights(tmp_path):
+    """The layout changes speed only: the flags bench.layout gives each layout keep the global batch
+    and the peak rate, so 1 rank x 2 threads and 2 ranks x 1 thread agree (the rate given for the
+    global batch: with the linear scaling rule the warm-up starts from one rank's rate)."""
+    argv = ["--model", "softmax", "--train-examples", "1024", "--test-examples", "200", "--max-steps", "12",
+            "--batch-size", "16", "--no-lr-scaling"]
+    weights = [train_and_save(tmp_path, f"{ranks}x{threads}", "mpirun", ranks, *layout.flags_for(argv, ranks, 2))
+               for ranks, threads in layout.layouts(2)]
+    assert_same_weights(*weights)
+    plans = [read_json_metrics(tmp_path, ranks, *layout.flags_for(argv[:1] + ["softmax"], ranks, 2))
+             for ranks, _ in layout.layouts(2)]
+    assert len({(p["global_batch"], p["learning_rate"]) for p in plans}) == 1, plans  # the default rule: same peak
+
+
+@pytest.mark.slow
+def test_run_train_with_np_auto_times_the_layouts_then_trains_in_the_fastest():
+    result = subprocess.run([str(ROOT / "run" / "train"), "--model", "softmax", "--max-steps", "20",
+                             "--train-examples", "2000", "--test-examples", "500"], cwd=ROOT,
+                            env=launchers.environment(NP="auto"), capture_output=True, text=True, timeout=600)
+    timed = [line for line in result.stderr.splitlines() if "img/s" in line and "thread(s)" in line]
+    assert len(timed) == len(layout.layouts(os.cpu_count())) and sum("<- fastest" in line for line in timed) == 1, result.stderr
+    assert reported_accuracy(succeeded(result)) > 0.5
+
+
+def read_json_metrics(tmp_path, ranks, *args):
+    metrics = tmp_path / f"plan-{ranks}.json"
+    succeeded(launch("mpirun", ranks, *args, "--max-steps", 1, "--train-examples", 512, "--test-examples", 100,
+                     "--metrics-file", metrics))
+    return json.loads(metrics.read_text())

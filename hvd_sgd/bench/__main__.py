@@ -35,6 +35,9 @@ def main(argv=None):
     parser.add_argument("--lever", default=suites.DEFAULT_LEVER, metavar="NAME=VALUE",
                         help="the environment variable the lever suite sets in the rounds it runs with it "
                              "(Horovod's HOROVOD_*, Open MPI's OMPI_MCA_*, ...)")
+    parser.add_argument("--data-dir",
+                        help="the layout suite's data (hvd_sgd.train --data-dir); its --models may also name your "
+                             "own, package.module:function")
     parser.add_argument("--record", action="store_true",
                         help="also keep the run as a dated record in --records-dir, with lscpu, and refresh the "
                              "README's results table beside it (when the run has the tta, scaling and peer suites)")
@@ -55,14 +58,15 @@ def main(argv=None):
     if not set(links) <= set(network.LINKS):
         parser.error(f"--links: unknown {sorted(set(links) - set(network.LINKS))}")
     models = tuple(args.models.split(",")) if args.models else suites.default_models(args.quick)
-    if not set(models) <= set(suites.MODELS):
-        parser.error(f"--models: unknown {sorted(set(models) - set(suites.MODELS))}")
+    unknown = {m for m in models if m not in suites.MODELS and not (chosen == ("layout",) and ":" in m)}
+    if unknown:
+        parser.error(f"--models: unknown {sorted(unknown)} (a package.module:function with --suites layout alone)")
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", args.lever):
         parser.error(f"--lever: NAME=VALUE, an environment variable and its value, got {args.lever!r}")
     rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
     if rounds < 1:
         parser.error(f"--rounds must be at least 1, got {rounds}")
-    plan = suites.Plan(args.quick, args.results_dir, chosen, rounds, models, links, args.lever)
+    plan = suites.Plan(args.quick, args.results_dir, chosen, rounds, models, links, args.lever, args.data_dir)
     started = time.perf_counter()
     results = suites.run(plan)
     results["seconds"] = time.perf_counter() - started

@@ -41,9 +41,11 @@ def _start(command, threads, cpus=None, **env):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _command(launcher, np_, module, args, nodes=None):
-    """The launcher's command line here, or across ``nodes``."""
-    return (nodes.command if nodes else launchers.command)(launcher, np_, module, args)
+def _command(launcher, np_, module, args, nodes=None, options=()):
+    """The launcher's command line here, or across ``nodes``; ``options``: mpirun's, here."""
+    if nodes:
+        return nodes.command(launcher, np_, module, args)
+    return launchers.command(launcher, np_, module, args, before_program=options)
 
 
 def _worker(launcher, np_, kind, *args, nodes=None):
@@ -61,13 +63,14 @@ def _results(processes, timeout=900):
     return found
 
 
-def _train(np_, args, timeout=900, nodes=None, launcher="horovodrun", env=None, cpus=None):
-    """``hvd_sgd.train`` as a user runs it (``launcher`` for 2+ ranks; on ``cpus`` if given); its metrics
-    file, and when the command started and ended (time.time(), as the metrics file's timeline)."""
+def _train(np_, args, timeout=900, nodes=None, launcher="horovodrun", env=None, cpus=None, options=()):
+    """``hvd_sgd.train`` as a user runs it (``launcher`` for 2+ ranks, with mpirun's ``options``; on
+    ``cpus`` if given); its metrics file, and when the command started and ended (time.time(), as
+    the metrics file's timeline)."""
     with tempfile.TemporaryDirectory(dir=nodes and nodes.shared_dir) as tmp:
         metrics = os.path.join(tmp, "m.json")
         command = _command("python" if np_ == 1 else launcher, np_, "hvd_sgd.train",
-                           [*args, "--metrics-file", metrics], nodes)
+                           [*args, "--metrics-file", metrics], nodes, options)
         launched = time.time()
         _results([_start(command, 1, cpus, **(env or {}))], timeout)
         ended = time.time()
@@ -93,6 +96,13 @@ def recipe(np_, *args):
     """The default recipe (with ``args``) on ``np_`` ranks under mpirun, as run/train starts it: its
     metrics, and the command's start and end."""
     return _train(np_, list(args), launcher="mpirun")
+
+
+def layout_throughput(ranks, args):
+    """hvd_sgd on ``ranks`` ranks of this machine, unbound by mpirun, so that each binds to its share
+    of the cores and runs as many threads (bench.layout): its own img/s figure."""
+    metrics, *_ = _train(ranks, args, launcher="mpirun", options=("--bind-to", "none"))
+    return metrics["images_per_second"]
 
 
 def input_sets(directory, examples, size, colour):
@@ -252,16 +262,17 @@ def independent_2x1(model, steps, bound=True):
         return sum(pool.map(lambda half: _train(1, args, cpus=half)[0]["images_per_second"], halves))
 
 
-def decomposed(model, steps, np_=2):
+def decomposed(model, steps, np_=2, nodes=None):
     """hvd_sgd's step on ``np_`` ranks of one job (workers.decompose), and the ceiling's: the same on
-    each of two processes at once, bound to half of the CPUs each, with no all-reduce. Each its
+    each of two processes at once, with no all-reduce, bound to half of the CPUs each (across
+    ``nodes``, one thread a rank and unbound, as the network suite's other contenders). Each its
     ranks' timestamps."""
     args = (model, GLOBAL_BATCH[model], steps)
-    together = _results([_start(_worker("mpirun", np_, "decompose", *args, 0), 1)])[0]
-    halves = [launchers.cpu_slice(i, 2) for i in range(2)]
-    alone = [_start(_worker("python", 1, "decompose", model, GLOBAL_BATCH[model] // 2, steps, max(1, len(half))), 1,
-                    half or None) for half in halves]
-    return together, [report for report in _results(alone)]
+    together = _results([_start(_worker("mpirun", np_, "decompose", *args, 1 if nodes else 0, nodes=nodes), 1)])[0]
+    halves = [None, None] if nodes else [launchers.cpu_slice(i, 2) for i in range(2)]
+    alone = [_start(_worker("python", 1, "decompose", model, GLOBAL_BATCH[model] // 2, steps,
+                            1 if nodes else max(1, len(half))), 1, half or None) for half in halves]
+    return together, _results(alone)
 
 
 def mwms_np2(model, steps):

@@ -11,7 +11,7 @@ import pathlib
 import subprocess
 
 from hvd_sgd import launchers
-from hvd_sgd.bench import contenders
+from hvd_sgd.bench import contenders, decomposition
 
 CLUSTER = pathlib.Path(__file__).resolve().parents[2] / "run" / "cluster"
 LINKS = {"unshaped": [], "10gbit": ["--rate", "10gbit"], "1gbit": ["--rate", "1gbit"]}
@@ -60,12 +60,14 @@ def run(plan, paired, steps, models):
 
             blocks = min(plan.allreduce_blocks, ALLREDUCE_BLOCKS)
             row = dict(allreduce={c: contenders.allreduce_bandwidth(c, plan.allreduce_sizes, plan.rounds, blocks, nodes)
-                                  for c in controllers}, ops_per_step={})
+                                  for c in controllers}, ops_per_step={}, decomposition={})
             for model in models:
                 row[model] = paired((hvd_sgd_2_nodes, independent_2x1), model, steps[model], plan.rounds)
                 # what the cost model charges latency for: a short run of its own, with Horovod's timeline on
                 row["ops_per_step"][model] = contenders.allreduce_ops_per_step(
                     2, model, min(steps[model], TIMELINE_STEPS), nodes)
+                # where the 2 nodes' step goes, against the two processes' (bench/decomposition.py)
+                row["decomposition"][model] = decomposition.row(*contenders.decomposed(model, steps[model], nodes=nodes))
         print(f"   {link}: {row}", flush=True)
         results[link] = row
     return results
@@ -73,4 +75,4 @@ def run(plan, paired, steps, models):
 
 def model_rows(row):
     """A link's rows of the paired measurements, by model."""
-    return {name: r for name, r in row.items() if name not in ("allreduce", "ops_per_step")}
+    return {name: r for name, r in row.items() if name not in ("allreduce", "ops_per_step", "decomposition")}

@@ -59,6 +59,9 @@ def write(results, directory):
                               f"{row['ops_per_step'][model]:.2f} |")
             for link, row in rows.items():
                 md += ["", f"All-reduce across the nodes, link {link}:", "", *_allreduce_table(row["allreduce"])]
+                if row.get("decomposition"):
+                    md += ["", f"Link {link}, 2 nodes against the two processes:", "",
+                           *_decomposition_table(row["decomposition"])]
         elif suite == "tta":
             md += _tta_tables(rows)
         elif suite == "project":
@@ -71,6 +74,8 @@ def write(results, directory):
             md += _input_table(rows)
         elif suite == "precision":
             md += _precision_tables(rows)
+        elif suite == "layout":
+            md += _layout_tables(rows)
         else:
             keys = contender_names(next(iter(rows.values())))
             md += [f"| model | {' img/s | '.join(keys)} img/s | ratio | per-round ratios |",
@@ -78,7 +83,7 @@ def write(results, directory):
             md += [f"| {m} | {' | '.join(f'{r[k]:.0f}' for k in keys)} | {r['ratio']:.2f} | "
                    f"{', '.join(f'{x:.2f}' for x in r['rounds']['ratio'])} |" for m, r in rows.items()]
             if suite == "scaling" and all("decomposition" in r for r in rows.values()):
-                md += ["", *_decomposition_table(rows)]
+                md += ["", *_decomposition_table({m: r["decomposition"] for m, r in rows.items()})]
         md.append("")
     md += ["## Targets", "", "| target | measured | needed | |", "| --- | --- | --- | --- |"]
     md += [f"| {v['target']} | {v['measured']} | {v['minimum']} | {'PASS' if v['passed'] else 'MISS'} |"
@@ -187,14 +192,14 @@ def _lever_tables(lever):
 
 
 def _decomposition_table(rows):
-    """Each model's step on 2 ranks and the ceiling's, in its parts, and what 2 ranks lose in each."""
+    """Each model's step on 2 ranks and the ceiling's, in its parts, and what 2 ranks lose in each
+    (``rows``: {model: decomposition.row})."""
     from hvd_sgd.bench.decomposition import PARTS
     md = ["Where the step goes (ms, the mean over steps and ranks; workers.decompose: hvd_sgd's step with "
           "timestamps around its parts). Each cell: 2 ranks / the ceiling (two processes at once, no all-reduce), "
           "then what 2 ranks lose. The parts add up to the step.", "",
           f"| model | step | efficiency | {' | '.join(PARTS)} |", "| --- | --- | --- |" + " --- |" * len(PARTS)]
-    for model, r in rows.items():
-        d = r["decomposition"]
+    for model, d in rows.items():
         cells = [f"{d['ranks'][p]:.3f} / {d['ceiling'][p]:.3f} ({d['lost'][p]:+.3f})" for p in PARTS]
         md.append(f"| {model} | {d['ranks']['step']:.3f} / {d['ceiling']['step']:.3f} | {d['efficiency']:.2f} | "
                   + " | ".join(cells) + " |")
@@ -228,6 +233,20 @@ def _precision_tables(rows):
         accuracies = ", ".join(f"{r['accuracy']:.4f}" for r in runs)
         times = ", ".join(f"{r['to_99']:.1f}" if r["to_99"] else "-" for r in runs)
         md.append(f"| {name} | {accuracies} | {times} |")
+    return md
+
+
+def _layout_tables(rows):
+    """Each model's layouts: img/s, and its share of the fastest's; then the fastest's commands."""
+    md = ["The same global batch in each layout of this machine (ranks x threads per rank), alternating round by "
+          "round; img/s medians.", "", "| model | layout | img/s | of the fastest | per-round img/s |",
+          "| --- | --- | --- | --- | --- |"]
+    for model, row in rows.items():
+        md += [f"| {model} | {r['ranks']} x {r['threads']} | {r['images_per_second']:.0f} | {r['of_fastest']:.2f} | "
+               f"{', '.join(f'{x:.0f}' for x in r['rounds'])} |" for r in row["layouts"]]
+    for model, row in rows.items():
+        md += ["", f"{model}, fastest {row['fastest']['ranks']} x {row['fastest']['threads']}:", "", "```",
+               *row["commands"], "```"]
     return md
 
 

@@ -7,13 +7,14 @@ import statistics
 import sys
 
 from hvd_sgd import launchers
-from hvd_sgd.bench import contenders, decomposition
+from hvd_sgd.bench import contenders, decomposition, layout
 
 SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "lever", "stacks", "network", "project", "input",
-          "precision")
+          "precision", "layout")
 # lever: without and with one environment variable; stacks: needs the current stack set up too;
 # network: root and a virtual cluster (run/cluster); project: network's results; input: image files;
-# precision: float32 against mixed_bfloat16.
+# precision: float32 against mixed_bfloat16; layout: ranks x threads a node (bench.layout), for --models
+# (a user's package.module:function too) and --data-dir.
 DEFAULT_SUITES = SUITES[:5]
 # The lever suite's, unless --lever names another: Open MPI's shared-memory transport then copies
 # messages through its shared segment instead of process to process (CMA), a lever left to the user.
@@ -40,6 +41,7 @@ class Plan:
     models: tuple  # the paired suites' (overhead, scaling, peer, lever, stacks, network)
     links: tuple = ()  # the network suite's, from network.LINKS
     lever: str = DEFAULT_LEVER  # the lever suite's NAME=VALUE
+    data_dir: str = None  # the layout suite's
 
     @property
     def allreduce_sizes(self):
@@ -84,6 +86,8 @@ def run(plan):
             results["suites"][suite] = input_suite(plan)
         elif suite == "precision":
             results["suites"][suite] = precision_suite(plan)
+        elif suite == "layout":
+            results["suites"][suite] = layout_suite(plan)
         elif suite == "tta":
             results["suites"][suite] = {c: contenders.time_to_accuracy(c, plan.quick) for c in TTA_CONTENDERS}
         else:
@@ -125,6 +129,21 @@ def input_suite(plan):
                for name in ("folder", "tfrecord")},
             decode_per_second={str(t): rate for t, rate in decode.items()}, rounds=runs)
         print(f"   {model}: {json.dumps(rows[next(reversed(rows))], default=str)[:300]}", flush=True)
+    return rows
+
+
+def layout_suite(plan):
+    """Each model's speed in each layout of this machine (bench.layout), the fastest, and its commands."""
+    rows = {}
+    for model in plan.models:
+        argv = ["--model", model, *(["--data-dir", plan.data_dir] if plan.data_dir else [])]
+        runs = layout.measure(argv, plan.rounds)
+        best = layout.fastest(runs)
+        top = statistics.median(runs[best])
+        rows[model] = dict(layouts=[dict(ranks=r, threads=t, images_per_second=statistics.median(v),
+                                         of_fastest=statistics.median(v) / top, rounds=v) for (r, t), v in runs.items()],
+                           fastest=dict(ranks=best[0], threads=best[1]), commands=layout.commands(*best, argv))
+        print(f"   {model}: fastest {best[0]} x {best[1]}", flush=True)
     return rows
 
 
