@@ -114,7 +114,8 @@ def load(name, data_dir=None, allocate=aligned_empty):
         return read_npz(data_dir, allocate) if data_dir.endswith(".npz") else read_idx_dir(data_dir, name, allocate)
     if name == "fashion_mnist":
         if not os.path.isdir(FASHION_MNIST_DIR):
-            raise JobError(f"Fashion-MNIST is not installed ({FASHION_MNIST_DIR} is missing): {INSTALL_HINT}")
+            raise JobError(f"Fashion-MNIST is not installed ({FASHION_MNIST_DIR} is missing): install Debian's "
+                           f"dataset-fashion-mnist, or point --data-dir at a directory of its four IDX files")
         return read_idx_dir(FASHION_MNIST_DIR, name, allocate)
     return load_mnist(allocate)
 
