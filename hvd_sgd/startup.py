@@ -93,14 +93,15 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     # (hvd_sgd's default) TensorFlow pools through oneDNN's allocator instead; this is for oneDNN off.
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     if hvd is None:
-        built = mpirun.recorded().get("mpi")
+        built = mpirun.recorded()
         raise JobError(f"Horovod's TensorFlow extension does not load ({_HOROVOD_IMPORT_ERROR}): " + (
-            f"it is built with {built} ({mpirun.recorded()['prefix']}): load that MPI, or run run/setup with the "
-            f"one you load" if built and "libmpi" in str(_HOROVOD_IMPORT_ERROR) else "rebuild it with run/setup --force"))
+            f"it is built with {built['mpi']} ({built['prefix']}): load that MPI, or run run/setup with the "
+            f"one you load" if built.get("mpi") and "libmpi" in str(_HOROVOD_IMPORT_ERROR) else "rebuild it with run/setup --force"))
     trace_horovod_without_autograph()
     if launched_by_mpi():
-        if mpirun.mpi4py_abi():
-            os.environ.setdefault("MPI4PY_MPIABI", mpirun.mpi4py_abi())
+        abi = mpirun.mpi4py_abi()
+        if abi:
+            os.environ.setdefault("MPI4PY_MPIABI", abi)
         from mpi4py import MPI
         hvd.init(comm=MPI.COMM_WORLD)
     else:
