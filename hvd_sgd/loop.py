@@ -55,10 +55,6 @@ class Trainer:
         """``data``: a datasets.Splits (arrays in memory) or a catalogs.ImageSet (image files, streamed)."""
         self.job, self.plan, self.state, self.data, self.checkpoints = job, plan, state, data, checkpoints
         self.streamed = isinstance(data, catalogs.ImageSet)
-        # Every rank evaluates its own share of a streamed test set, whose reading and decoding divide
-        # among the ranks; rank 0 evaluates one held in memory alone (docs/design.md, "Evaluation").
-        self.evaluates_together = self.streamed
-        self.test_batches = None if self.evaluates_together else batches.test_batches(data)
         self.clock = StepClock()
         self.evaluations = []  # (step, epoch, accuracy, time) of each, for the summary
         # TensorBoard files, like every file, are rank 0's.
@@ -117,14 +113,14 @@ class Trainer:
             raise cli.RankError(found) from None
 
     def evaluate(self):
-        """The test result, the same on every rank (rank 0's, or every rank's share summed)."""
-        world, together = self.job.world, self.evaluates_together
-        test_batches = batches.test_batches(self.data, world.rank, world.size, world.threads) if together \
-            else self.test_batches
+        """The test result, the same on every rank. Every rank evaluates its own share of the test set,
+        taken anew for the ranks of the moment (elastic): 1/N of the time (docs/design.md, "Evaluation")."""
+        world = self.job.world
+        shares = batches.test_batches(self.data, world.rank, world.size, world.threads)
         try:
-            return world.evaluate(self.state.model, test_batches, self.job.watchdog.progress, together)
+            return world.evaluate(self.state.model, shares, self.job.watchdog.progress)
         except tf.errors.OpError:
-            found = self.streamed and together and streams.undecodable(
+            found = self.streamed and streams.undecodable(
                 self.data, self.data.test, streams.test_share(len(self.data.test), world.rank, world.size))
             if not found:  # not this rank's data (Horovod shut down after another rank failed, say)
                 raise

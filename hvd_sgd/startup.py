@@ -75,7 +75,7 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
     Horovod's stall check is set to shut the job down, not only warn, after ``stall_timeout``
     seconds in which the ranks submitted different collectives. ``stall_timeout`` None: the
     caller's watchdog watches for stalls, and Horovod's check is off, since it would also end a
-    job whose rank 0 evaluates alone for that long, or that was suspended. The user's
+    job whose rank 0 writes a checkpoint alone for that long, or that was suspended. The user's
     HOROVOD_STALL_* settings win either way.
     """
     imported = time.time()  # Python, TensorFlow, Horovod and the arguments: before this

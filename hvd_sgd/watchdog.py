@@ -8,8 +8,8 @@ for that rank too. So each rank runs a thread that
 - beats: every second it writes the rank's last finished step, the seconds since its last progress,
   its host and the files it works in (if it does) to a heartbeat file, in a directory every node
   sees (see ``heartbeat_root``);
-- watches: when its rank has made no progress for ``timeout`` seconds, nor rank 0 (which evaluates
-  and writes checkpoints alone while the others wait for it), it names the ranks whose heartbeat
+- watches: when its rank has made no progress for ``timeout`` seconds, nor rank 0 (which writes
+  checkpoints alone while the others wait for it), it names the ranks whose heartbeat
   stopped (a frozen process stops beating), or else those stuck in their files (a hung file
   system), and their hosts, prints one line (the lowest live rank does), and exits the process
   with status 1, which makes the launcher end the job;
@@ -166,7 +166,7 @@ class Watchdog:
             return None
 
     def _rank_0_progresses(self):
-        """Rank 0 beats and made progress within the timeout: it evaluates (or works) alone, and this
+        """Rank 0 beats and made progress within the timeout: it works alone (a checkpoint), and this
         rank waits for it. Read only while this rank is idle, so mostly never."""
         beat = None if self.rank == 0 else self._heartbeat(0)
         return beat is not None and beat.age <= 3 * BEAT_SECONDS and beat.idle <= self.timeout

@@ -76,22 +76,16 @@ class World:
             for variable, value in zip(statistics, averaged):
                 variable.assign(value)
 
-    def evaluate(self, model, test_batches, after_batch, together=False):
+    def evaluate(self, model, test_batches, after_batch):
         """Test accuracy and loss (mean cross-entropy) of ``model``, the same on every rank, calling
-        ``after_batch()`` after each batch (the watchdog's progress). Rank 0 evaluates
-        ``test_batches``, the whole test set, while the others wait; or, ``together``, every rank
-        evaluates its own share (``test_batches`` is it) and the sums are all-reduced: the same
-        correct count as rank 0 alone, in about 1/size of the time."""
+        ``after_batch()`` after each batch (the watchdog's progress). Every rank evaluates its own
+        share of the test set (``test_batches``) and the sums are all-reduced: the same correct
+        count as one process evaluating the whole set, in about 1/size of the time."""
         sums = np.zeros(3)  # correct, summed loss, examples
-        if together or self.is_chief:
-            for images, labels in test_batches:
-                sums += [float(s) for s in _evaluation_sums(model, images, labels)]
-                after_batch()
-        if together:
-            sums = hvd.allreduce(tf.constant(sums), op=hvd.Sum, name="evaluation").numpy()
-        else:
-            sums = hvd.broadcast_object(sums, root_rank=0)
-        correct, loss, examples = sums
+        for images, labels in test_batches:
+            sums += [float(s) for s in _evaluation_sums(model, images, labels)]
+            after_batch()
+        correct, loss, examples = hvd.allreduce(tf.constant(sums), op=hvd.Sum, name="evaluation").numpy()
         return dict(accuracy=correct / examples, loss=loss / examples, correct=int(correct), examples=int(examples))
 
     def check_identical(self, variables, when):

@@ -177,15 +177,20 @@ def test_the_input_and_precision_suites_report_each_source_and_precision(tmp_pat
                              str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     suites = json.loads((tmp_path / "results.json").read_text())["suites"]
-    [(name, row)] = suites["input"].items()
+    [(name, row)] = suites["input"]["sets"].items()
     assert name == "classic_cnn 64x64x3" and min(row[k] for k in ("memory", "folder", "tfrecord")) > 0
     assert row["folder_over_memory"] > 0 and row["tfrecord_over_memory"] > 0 and min(row["decode_per_second"].values()) > 0
+    for source, evaluation in row["evaluation"].items():  # the same count, whichever ranks evaluate
+        assert evaluation["correct_alone"] == evaluation["correct_together"] and evaluation["correct_alone"][1] == 1000
+        assert len(evaluation["alone"]) == len(evaluation["together"]) > 0 and min(evaluation["together"]) > 0
+    recipe = suites["input"]["recipe"]["runs"]
+    assert [len(runs) for runs in recipe.values()] == [1, 1] and all(0.1 < runs[0]["accuracy"] <= 1 for runs in recipe.values())
     throughput, recipe = suites["precision"]["throughput"], suites["precision"]["recipe"]
     assert set(throughput) == {"cnn np1", "cnn np2"} and all(r["ratio"] > 0 for r in throughput.values())
     assert set(recipe) == {f"mnist {p}" for p in ("float32", "mixed_bfloat16")}
     assert all(0.1 < run["accuracy"] <= 1 for runs in recipe.values() for run in runs)
     text = (tmp_path / "results.md").read_text()
-    assert "## input" in text and "## precision" in text
+    assert "## input" in text and "## precision" in text and "streamed classic CNN 64x64x3, folder" in text
 
 
 def test_the_layout_suite_times_each_layout_of_the_node_and_names_the_fastest(tmp_path):

@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import contextlib
+
 import pytest
 
 from conftest import ROOT, output_lines, read_json, reported_accuracy
@@ -30,8 +32,9 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="makes user accounts a
 
 @pytest.fixture(scope="session")
 def public_tmp():
-    """A directory the test's other users can reach (pytest's own is the owner's alone)."""
-    directory = Path(tempfile.mkdtemp(prefix="hvd_sgd-site-"))
+    """A directory the test's other users can reach (pytest's own is the owner's alone), and the
+    nodes of run/cluster too (each has a /tmp of its own): the site's shared file system."""
+    directory = Path(tempfile.mkdtemp(prefix="hvd_sgd-site-", dir="/var/tmp"))
     directory.chmod(0o755)
     yield directory
     shutil.rmtree(directory, ignore_errors=True)
@@ -88,6 +91,38 @@ def as_user(user, command, env=(), network=True, timeout=600):
     # su - starts a login shell, with a fresh environment: the exports come inside it.
     return subprocess.run([*namespaces, "sh", "-c", f"{hide} && su - {user} -c {shlex.quote(exports + command)}"],
                           capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def cluster_of_two(directory, user):
+    """Two nodes of run/cluster (each its own host name, network and /tmp; /home and /var/tmp shared,
+    as a site's file systems), which ``user`` reaches by ssh with a key of its own in its shared
+    home, as on a site. Gives ``on_node1(command, exported, timeout)``: a shell line run there as ``user``."""
+    env = dict(os.environ, HVD_SGD_CLUSTER_DIR=str(directory / "cluster"), HVD_SGD_CLUSTER_NET="10.213.59",
+               HVD_SGD_CLUSTER_PREFIX="hvdsite")
+    try:
+        up = subprocess.run([ROOT / "run" / "cluster", "up", "--nodes", "2"], env=env, capture_output=True,
+                            text=True, timeout=300)
+        assert up.returncode == 0, up.stderr[-3000:]
+        subprocess.run(["usermod", "-p", "*", user], check=True)  # no password, but not locked: sshd admits it
+        ssh = Path(pwd.getpwnam(user).pw_dir) / ".ssh"
+        ssh.mkdir(mode=0o700, exist_ok=True)
+        key = ssh / "hvd_sgd-cluster"
+        for old in (key, Path(f"{key}.pub")):
+            old.unlink(missing_ok=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True)
+        (ssh / "authorized_keys").write_text(Path(f"{key}.pub").read_text())
+        (ssh / "config").write_text(f"Host node*\n    IdentityFile {key}\n    StrictHostKeyChecking no\n"
+                                    "    UserKnownHostsFile /dev/null\n    LogLevel ERROR\n")
+        subprocess.run(["chown", "-R", f"{user}:", ssh], check=True)
+
+        def on_node1(command, exported, timeout=300):
+            exports = "".join(f"export {k}={shlex.quote(str(v))}; " for k, v in dict(exported).items())
+            return subprocess.run([ROOT / "run" / "cluster", "exec", "node1", "su", "-", user, "-c",
+                                   exports + command], env=env, capture_output=True, text=True, timeout=timeout)
+        yield on_node1
+    finally:
+        subprocess.run([ROOT / "run" / "cluster", "down"], env=env, capture_output=True, timeout=120)
 
 
 def path_without_mpi(directory):
@@ -170,7 +205,8 @@ def test_a_user_installs_offline_against_the_sites_mpi_and_trains(public_tmp, do
     """A user with no root, on a node with no dpkg, apt or network, the site's MPI loaded, sets up
     from the downloaded packages; Horovod and mpi4py use that MPI; its mpiexec, horovodrun and the TF1
     program train, 2 ranks × B/2 exactly like 1 rank × B; a killed rank ends the job. A second user
-    trains with the first one's installation; Debian's mpirun is refused in one line. With MPICH, a
+    trains with the first one's installation, here and on two nodes of a cluster (the same weights);
+    Debian's mpirun is refused in one line. With MPICH, a
     module swap and back: a Horovod wheel for each MPI, the first one taken again from the cache."""
     home = ensure_user(USER)
     ensure_user(OTHER_USER)
@@ -209,12 +245,17 @@ def test_a_user_installs_offline_against_the_sites_mpi_and_trains(public_tmp, do
         trained = user_run(f"{venv}/bin/{launcher} -np {np_} {venv}/bin/python -m hvd_sgd.train {args}")
         assert trained.returncode == 0, trained.stderr[-5000:]
         assert reported_accuracy(trained) > 0.5
-    # 2 ranks × B/2 train as 1 rank × B, whichever launcher: compared by the installation's own Keras.
-    compare = user_run(f"{venv}/bin/python -c 'import sys, keras, numpy as np; "
-                       f"w = [keras.models.load_model(p, compile=False).get_weights() for p in sys.argv[1:]]; "
-                       f"print(max(float(np.abs(a - b).max()) for other in w[1:] for a, b in zip(w[0], other)))' "
-                       f"{out}/one.keras {out}/two.keras {out}/horovodrun.keras")
-    assert compare.returncode == 0 and float(compare.stdout.split()[-1]) < 1e-5, compare.stdout + compare.stderr[-2000:]
+    def weight_difference(*names):
+        """The largest difference of the first model's weights from the others', by the installation's own Keras."""
+        compare = user_run(f"{venv}/bin/python -c 'import sys, keras, numpy as np; "
+                           f"w = [keras.models.load_model(p, compile=False).get_weights() for p in sys.argv[1:]]; "
+                           f"print(max(float(np.abs(a - b).max()) for other in w[1:] for a, b in zip(w[0], other)))' "
+                           + " ".join(f"{out}/{name}.keras" for name in names))
+        assert compare.returncode == 0, compare.stderr[-2000:]
+        return float(compare.stdout.split()[-1])
+
+    # 2 ranks × B/2 train as 1 rank × B, whichever launcher.
+    assert weight_difference("one", "two", "horovodrun") < 1e-5
 
     v1 = user_run(f"{venv}/bin/mpiexec -n 2 {venv}/bin/python -m hvd_sgd.train_v1 --steps 20")
     assert v1.returncode == 0, v1.stderr[-3000:]
@@ -228,6 +269,17 @@ def test_a_user_installs_offline_against_the_sites_mpi_and_trains(public_tmp, do
     other = user_run(f"{venv}/bin/mpiexec -n 2 {venv}/bin/python -m hvd_sgd.train {' '.join(map(str, SHORT))}",
                      user=OTHER_USER)
     assert other.returncode == 0 and reported_accuracy(other) > 0.5, other.stderr[-3000:]
+
+    # ... and on the nodes of a cluster, one rank a node, started from node1 by the site's launcher.
+    with cluster_of_two(public_tmp, OTHER_USER) as on_node1:
+        args = " ".join(map(str, [*SHORT[:-1], 32, "--no-lr-scaling", "--save-model", out / "nodes.keras",
+                                  "--metrics-file", out / "nodes.json"]))
+        nodes = on_node1(f"cd {clone} && {venv}/bin/{'mpiexec' if mpi == 'mpich' else 'mpirun'} -n 2 "
+                         f"-{'hosts' if mpi == 'mpich' else 'H'} node1,node2 {venv}/bin/python -m hvd_sgd.train {args}",
+                         module)
+    assert nodes.returncode == 0, nodes.stdout[-2000:] + nodes.stderr[-3000:]
+    assert {r["host"] for r in read_json(out / "nodes.json")["ranks"]} == {"node1", "node2"}
+    assert weight_difference("one", "nodes") < 1e-5
 
     # Debian's Open MPI (4) starts it: one line, not an abort per rank.
     debian = user_run(f"/usr/bin/mpirun -np 2 {venv}/bin/python -m hvd_sgd.train {' '.join(map(str, SHORT))}")

@@ -19,7 +19,8 @@ ratios: this machine is shared and noisy, so absolute times mean little.
 8. project    (after network) a ring all-reduce cost model and a compute model fitted to network's
               measurements, checked against them, and projected to 8, 64 and 512 ranks
 9. input      (not by default) the same model and images from memory, image folders and TFRecords,
-              hvd_sgd on 2 ranks; images decoded a second, on one call and on every core
+              hvd_sgd on 2 ranks; images decoded a second, on one call and on every core; evaluation
+              by rank 0 alone and by both ranks; Fashion-MNIST's recipe, arrays vs a JPEG folder (3 seeds)
 10. precision (not by default) float32 against mixed_bfloat16: throughput on 1 and 2 ranks, the
               default recipe's accuracy on MNIST and Fashion-MNIST (3 seeds) and time to 0.99
 

@@ -105,9 +105,9 @@ def layout_throughput(ranks, args):
     return metrics["images_per_second"]
 
 
-def input_sets(directory, examples, size, colour):
+def input_sets(directory, examples, test_examples, size, colour):
     """Write the input suite's data sets under ``directory`` (workers.image_sets)."""
-    _results([_start(_worker("python", 1, "image_sets", directory, examples, size, int(colour)), CORES)])
+    _results([_start(_worker("python", 1, "image_sets", directory, examples, test_examples, size, int(colour)), CORES)])
 
 
 def streamed_throughput(data_dir, examples, model, steps):
@@ -119,6 +119,12 @@ def streamed_throughput(data_dir, examples, model, steps):
 def decode_rate(directory, threads):
     """Images a second read and decoded from the input suite's image folder on ``threads`` parallel calls."""
     return _results([_start(_worker("python", 1, "decode", directory, threads), threads)])[0]["images_per_second"]
+
+
+def evaluation_seconds(data, model, repeats):
+    """2 ranks evaluating ``data``'s test set (workers.evaluation): rank 0 alone and every rank on
+    its share, each ``repeats`` times, alternating."""
+    return _results([_start(_worker("mpirun", 2, "evaluation", data, model, repeats), 1)])[0]
 
 
 def allreduce_ops_per_step(np_, model, steps, nodes=None):

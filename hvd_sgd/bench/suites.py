@@ -104,18 +104,21 @@ def run(plan):
 
 # The input suite's sets: (model, pixels square, colour) on MNIST's first examples (quick: fewer).
 INPUT_SETS = (("classic_cnn", 64, True), ("cnn", 28, False))
-INPUT_EXAMPLES = {True: 2048, False: 8192}  # by quick
+INPUT_EXAMPLES = {True: (2048, 1000), False: (8192, 10000)}  # (train, test) by quick
+EVALUATION_REPEATS = 5
 
 
 def input_suite(plan):
     """The same model and images fed from memory (an .npz), from JPEG image folders and from JPEG
-    TFRecord shards, hvd_sgd on 2 ranks, the three alternating round by round; and how many images a
-    second one decode call and all cores' read and decode from the folders."""
+    TFRecord shards, hvd_sgd on 2 ranks, the three alternating round by round; how many images a
+    second one decode call and all cores' read and decode from the folders; an evaluation of the
+    test set by rank 0 alone and by both ranks, from memory and from the folders; then the default
+    recipe on the arrays against the same images as a JPEG folder tree (input_recipe)."""
     import tempfile
-    rows, examples = {}, INPUT_EXAMPLES[plan.quick]
+    rows, (examples, test_examples) = {}, INPUT_EXAMPLES[plan.quick]
     for model, size, colour in INPUT_SETS[:1] if plan.quick else INPUT_SETS:
         with tempfile.TemporaryDirectory() as directory:
-            contenders.input_sets(directory, examples, size, colour)
+            contenders.input_sets(directory, examples, test_examples, size, colour)
             sources = {"memory": "memory.npz", "folder": "folder", "tfrecord": "tfrecord"}
             runs = {name: [] for name in sources}
             for i in range(plan.rounds):
@@ -123,13 +126,36 @@ def input_suite(plan):
                     runs[name].append(contenders.streamed_throughput(os.path.join(directory, sources[name]),
                                                                      examples, model, STEPS[model, plan.quick]))
             decode = {threads: contenders.decode_rate(directory, threads) for threads in sorted({1, contenders.CORES})}
+            evaluation = {name: contenders.evaluation_seconds(os.path.join(directory, sources[name]), model,
+                                                              EVALUATION_REPEATS) for name in ("memory", "folder")}
         rows[f"{model} {size}x{size}{'x3' if colour else ''}"] = dict(
             **{name: statistics.median(values) for name, values in runs.items()},
             **{f"{name}_over_memory": statistics.median(s / m for s, m in zip(runs[name], runs["memory"]))
                for name in ("folder", "tfrecord")},
-            decode_per_second={str(t): rate for t, rate in decode.items()}, rounds=runs)
+            decode_per_second={str(t): rate for t, rate in decode.items()}, rounds=runs, evaluation=evaluation)
         print(f"   {model}: {json.dumps(rows[next(reversed(rows))], default=str)[:300]}", flush=True)
-    return rows
+    return dict(sets=rows, recipe=input_recipe(plan))
+
+
+def input_recipe(plan):
+    """The default recipe on 2 ranks, 3 seeds, on Fashion-MNIST's arrays and on the same images
+    written as a JPEG folder tree (python -m hvd_sgd.datasets export); quick: a subset of MNIST, 1 seed."""
+    import subprocess
+    import tempfile
+    dataset, subset = ("mnist", ["--train-examples", 4000, "--test-examples", 1000]) if plan.quick \
+        else ("fashion_mnist", [])
+    runs = {"arrays": [], "folder": []}
+    with tempfile.TemporaryDirectory() as directory:
+        folder = os.path.join(directory, "folder")
+        subprocess.run(list(map(str, [sys.executable, "-m", "hvd_sgd.datasets", "export", "--format", "folder",
+                                      "--from", dataset, *subset, folder])), check=True, stdout=subprocess.DEVNULL)
+        epochs = ["--epochs", 1] if plan.quick else []
+        for seed in (1,) if plan.quick else (1, 2, 3):
+            for name, data in (("arrays", ["--dataset", dataset, *subset]), ("folder", ["--data-dir", folder])):
+                metrics, launched, ended = contenders.recipe(2, *data, *epochs, "--seed", seed)
+                runs[name].append(dict(seed=seed, accuracy=metrics["test_accuracy"], seconds=ended - launched))
+            print(f"   {dataset} seed {seed}: {[r[-1]['accuracy'] for r in runs.values()]}", flush=True)
+    return dict(dataset=dataset, runs=runs)
 
 
 def layout_suite(plan):

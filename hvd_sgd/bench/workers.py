@@ -226,12 +226,12 @@ def decompose(model_name, global_batch, steps, threads):
         protocol.report(dict(ranks=every, global_batch=global_batch))
 
 
-def image_sets(directory, examples, size, colour):
-    """The input suite's data: the first ``examples`` MNIST training images (and 1000 test images),
+def image_sets(directory, examples, test_examples, size, colour):
+    """The input suite's data: the first ``examples`` MNIST training images and ``test_examples`` test images,
     resized to ``size`` pixels square, in colour if ``colour``, as arrays in an .npz and as JPEG
     image folders and TFRecord shards (hvd_sgd.convert), under ``directory``."""
     from hvd_sgd import convert
-    mnist = datasets.load("mnist").subset(examples, 1000)
+    mnist = datasets.load("mnist").subset(examples, test_examples)
 
     def converted(images):
         return np.stack([tf.io.decode_jpeg(convert.encoded(image, (size, size), bool(colour))[0]).numpy()
@@ -257,5 +257,35 @@ def decode(directory, threads):
     protocol.report(dict(images_per_second=(plan.total_steps - 1) * 64 / (time.perf_counter() - started)))
 
 
+def evaluation(data, model_name, repeats):
+    """Seconds to evaluate the whole test set of ``data`` (mnist, fashion_mnist, an .npz, or image files,
+    streamed) as hvd_sgd does, every rank its share (World.evaluate), and as rank 0 alone while the
+    others wait, the two alternating, and each one's (correct, examples): run as the ranks of one
+    job; the chief reports."""
+    from hvd_sgd import catalogs, startup
+    world = startup.start()
+    import horovod.tensorflow as hvd
+    if data in config.DATASETS:
+        data = datasets.load(data)
+    else:
+        data = catalogs.open_set(data) if catalogs.detect(data) in ("folder", "tfrecord") else datasets.load("", data)
+    model = models.build(models.BUILT_IN[model_name], data.input_shape, data.num_classes, 1)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    whole = batches.test_batches(data, threads=world.threads) if world.is_chief else []  # rank 0 alone: held
+    seconds, correct = {False: [], True: []}, {}
+    for i in range(repeats + 1):  # the first round traces and warms up, and is not counted
+        for together in ((False, True) if i % 2 == 0 else (True, False)):
+            hvd.allreduce(tf.constant(0.0), name="evaluation_start")  # every rank starts together
+            started = time.perf_counter()
+            shares = batches.test_batches(data, world.rank, world.size, world.threads) if together else whole
+            result = world.evaluate(model, shares, lambda: None)  # returns on every rank at once
+            if i:
+                seconds[together].append(time.perf_counter() - started)
+            correct[together] = result["correct"], result["examples"]
+    if world.is_chief:
+        protocol.report(dict(alone=seconds[False], together=seconds[True], correct_alone=correct[False],
+                             correct_together=correct[True]))
+
+
 WORKERS = {"keras": keras, "keras_recipe": keras_recipe, "mwms": mwms, "allreduce": allreduce,
-           "image_sets": image_sets, "decode": decode, "decompose": decompose}
+           "image_sets": image_sets, "decode": decode, "decompose": decompose, "evaluation": evaluation}
