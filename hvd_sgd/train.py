@@ -6,8 +6,9 @@
 
 Every step each rank computes the gradient of its own slice of the global batch, Horovod
 averages the gradients by ring all-reduce, and every rank applies the same average: N ranks
-with batch B train like one rank with batch N*B (at the same learning rate). Rank 0 evaluates,
-logs and writes files. ``fit`` is the recipe, for your own model and data too.
+with batch B train like one rank with batch N*B (at the same learning rate). Every rank tests its
+share of the test set; rank 0 reports, logs and writes files. ``fit`` is the recipe, for your own
+model and data too.
 """
 import dataclasses
 import importlib.metadata

@@ -1,6 +1,6 @@
 """The rank roles: who this rank is, and what every rank does together.
 
-Rank 0 is the chief. What only it does (evaluate, log, write files) is written where it happens,
+Rank 0 is the chief. What only it does (log, write files) is written where it happens,
 as ``if world.is_chief:``; this module holds the collectives that keep the ranks in step.
 """
 import contextlib

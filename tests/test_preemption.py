@@ -34,6 +34,9 @@ def stop_lines(stderr):
 # workflow engine's or a user's kill), to a rank, or to the run's process group (a terminal's Ctrl-C).
 # The installation's mpirun (which horovodrun and run/train run) turns its signal into SIGUSR1,
 # which mpirun forwards to every rank; horovodrun --gloo sends its workers SIGTERM.
+# A stop takes about 2 s alone, and took 12 s once under the whole suite's load on 2 cores; one that
+# waited for a timeout instead (Open MPI's keepalive ends a job in about 25 s, the watchdog in 60) takes longer.
+PROMPT_STOP_SECONDS = 20
 CASES = [
     ("python", 1, signal.SIGINT, "launcher"),
     ("mpirun", 2, signal.SIGUSR1, "launcher"),
@@ -100,7 +103,8 @@ def test_a_signal_stops_every_rank_after_the_same_step_with_its_checkpoint(launc
         rank_process(psutil.Process(run.pid), 1).send_signal(signum)
     signalled = time.monotonic()
     status, stdout, stderr = ended_within(run, 60)
-    assert time.monotonic() - signalled < 10, "the stop took 10 s or more"
+    took = time.monotonic() - signalled
+    assert took < PROMPT_STOP_SECONDS, f"the stop took {took:.1f} s"
     [line] = stop_lines(stderr)
     stopped_at = int(line.split(" at step ")[1].split("/")[0])
     assert latest_checkpoint_step(checkpoints) == stopped_at, line

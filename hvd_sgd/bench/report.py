@@ -227,7 +227,7 @@ def _input_table(suite):
            f"{r['tfrecord_over_memory']:.2f} | " + " | ".join(f"{r['decode_per_second'][str(t)]:.0f}" for t in decodes)
            + " |" for name, r in rows.items()]
     md += ["", "Evaluating the whole test set on 2 ranks: seconds, medians; rank 0 alone while the other "
-           "waits, or both ranks on a half each with the sums all-reduced.", "",
+           "waits, or both ranks on a half each with the sums all-reduced (hvd_sgd's way).", "",
            "| model and images | source | test images | rank 0 alone, s | both ranks, s | both / alone | "
            "correct, alone = both |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in rows.items():

@@ -105,7 +105,7 @@ def run(plan):
 # The input suite's sets: (model, pixels square, colour) on MNIST's first examples (quick: fewer).
 INPUT_SETS = (("classic_cnn", 64, True), ("cnn", 28, False))
 INPUT_EXAMPLES = {True: (2048, 1000), False: (8192, 10000)}  # (train, test) by quick
-EVALUATION_REPEATS = 5
+EVALUATION_REPEATS = {True: 1, False: 5}  # by quick
 
 
 def input_suite(plan):
@@ -127,7 +127,8 @@ def input_suite(plan):
                                                                      examples, model, STEPS[model, plan.quick]))
             decode = {threads: contenders.decode_rate(directory, threads) for threads in sorted({1, contenders.CORES})}
             evaluation = {name: contenders.evaluation_seconds(os.path.join(directory, sources[name]), model,
-                                                              EVALUATION_REPEATS) for name in ("memory", "folder")}
+                                                              EVALUATION_REPEATS[plan.quick])
+                          for name in ("memory", "folder")}
         rows[f"{model} {size}x{size}{'x3' if colour else ''}"] = dict(
             **{name: statistics.median(values) for name, values in runs.items()},
             **{f"{name}_over_memory": statistics.median(s / m for s, m in zip(runs[name], runs["memory"]))
