@@ -4,6 +4,7 @@ A site's MPI is PyPI's MPICH or Open MPI 5, installed into a prefix of its own a
 LD_LIBRARY_PATH as `module load` does (../shared/notes/hpc-site-simulation.md). The user is an
 ordinary account; dpkg and apt are hidden from it, as on a RHEL-family node.
 """
+import contextlib
 import os
 import pwd
 import re
@@ -13,8 +14,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-import contextlib
 
 import pytest
 

@@ -262,13 +262,11 @@ def evaluation(data, model_name, repeats):
     streamed) as hvd_sgd does, every rank its share (World.evaluate), and as rank 0 alone while the
     others wait, the two alternating, and each one's (correct, examples): run as the ranks of one
     job; the chief reports."""
-    from hvd_sgd import catalogs, startup
+    from hvd_sgd import sources, startup
     world = startup.start()
     import horovod.tensorflow as hvd
-    if data in config.DATASETS:
-        data = datasets.load(data)
-    else:
-        data = catalogs.open_set(data) if catalogs.detect(data) in ("folder", "tfrecord") else datasets.load("", data)
+    named = data in config.DATASETS  # read as hvd_sgd.train reads --dataset or --data-dir
+    data = sources.load(config.TrainConfig(**{"dataset" if named else "data_dir": data}), world.log)
     model = models.build(models.BUILT_IN[model_name], data.input_shape, data.num_classes, 1)
     hvd.broadcast_variables(model.variables, root_rank=0)
     whole = batches.test_batches(data, threads=world.threads) if world.is_chief else []  # rank 0 alone: held
