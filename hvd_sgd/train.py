@@ -28,7 +28,7 @@ LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 def main(argv=None):
     cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=startup.launch_rank() == 0, module="hvd_sgd.train")
-    job = _start(cfg)
+    job = start_job(cfg)
     with job.together():  # a rank that cannot read the data, or import the model, stops them all
         with job.watchdog.file_work(sources.location(cfg)):  # slow reads are no stall
             data = sources.load(cfg, job.world.log)
@@ -41,7 +41,7 @@ def fit(model_fn, data, cfg=config.TrainConfig(), job=None):
     catalogs.ImageSet of image files) as ``cfg`` says, on every rank of the job; the run's summary
     (what ``--metrics-file`` holds)."""
     # 1. Start Horovod (unless the caller has): one GPU per rank by local rank, its share of the cores.
-    job = job or _start(cfg)
+    job = job or start_job(cfg)
     world = job.world
     started = dict(world.started, data=time.time())  # where start-up's seconds go, for the summary
     import horovod.tensorflow as hvd  # its extension loads: startup.start checked it does
@@ -152,7 +152,7 @@ def _open_checkpoints(cfg, plan, state, log):
     return checkpoints
 
 
-def _start(cfg):
+def start_job(cfg):
     """The job as ``cfg`` says: from here on a signal stops every rank after the same step, with a
     checkpoint of it (elastic mode: a signalled worker is a lost one, and the others go on); Horovod
     starts; a frozen rank, or a hung file system, ends the job. hvd_sgd's watchdog, not Horovod's

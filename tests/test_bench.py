@@ -9,6 +9,7 @@ import pytest
 from conftest import PYTHON, ROOT, assert_same_weights, launch, reported_accuracy, succeeded, train_and_save
 from hvd_sgd import launchers
 from hvd_sgd.bench import layout, record
+from hvd_sgd.bench.decomposition import PARTS
 from hvd_sgd.bench.suites import stack_python
 
 
@@ -34,7 +35,8 @@ def test_quick_bench_produces_every_suite_and_its_files(tmp_path):
         if suite == "scaling":  # where the step goes: parts that add up to it
             parts = row.pop("decomposition")
             assert parts["sum_of_parts"] == pytest.approx(parts["ranks"]["step"], rel=0.05), parts
-            assert min(parts["ranks"].values()) >= 0 and 0 < parts["efficiency"], parts
+            assert min(parts["ranks"][p] for p in PARTS) >= 0 and parts["blocks"] == 2, parts
+            assert parts["hvd_sgd_step"] > 0 and 0 < parts["efficiency"] and 0 < parts["efficiency_bare"], parts
         assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in row.values()), row
         assert all(len(values) == results["rounds"] == 1 for values in rounds.values()), rounds
     for controller in ("mpi", "gloo"):

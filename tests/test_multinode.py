@@ -295,6 +295,8 @@ def test_the_network_suite_measures_across_two_nodes_of_its_own_cluster(tmp_path
     allreduce = row["allreduce"]["mpi"]
     assert len(allreduce["horovod"]) == len(allreduce["mpi4py"]) == len(allreduce["sizes"]) > 0
     assert min(allreduce["horovod"] + allreduce["mpi4py"]) > 0 and 0 < row["softmax"]["ratio"]
+    parts = row["decomposition"]["softmax"]  # across hosts: the wait from the spread of the ranks' compute
+    assert parts["sum_of_parts"] == pytest.approx(parts["ranks"]["step"], rel=0.05) and parts["hvd_sgd_step"] > 0
     assert (tmp_path / "network_10gbit.png").exists() and "## network" in (tmp_path / "results.md").read_text()
     assert not (tmp_path / "cluster" / "nodes").exists()  # taken down
 

@@ -268,17 +268,12 @@ def independent_2x1(model, steps, bound=True):
         return sum(pool.map(lambda half: _train(1, args, cpus=half)[0]["images_per_second"], halves))
 
 
-def decomposed(model, steps, np_=2, nodes=None):
-    """hvd_sgd's step on ``np_`` ranks of one job (workers.decompose), and the ceiling's: the same on
-    each of two processes at once, with no all-reduce, bound to half of the CPUs each (across
-    ``nodes``, one thread a rank and unbound, as the network suite's other contenders). Each its
-    ranks' timestamps."""
-    args = (model, GLOBAL_BATCH[model], steps)
-    together = _results([_start(_worker("mpirun", np_, "decompose", *args, 1 if nodes else 0, nodes=nodes), 1)])[0]
-    halves = [None, None] if nodes else [launchers.cpu_slice(i, 2) for i in range(2)]
-    alone = [_start(_worker("python", 1, "decompose", model, GLOBAL_BATCH[model] // 2, steps,
-                            1 if nodes else max(1, len(half))), 1, half or None) for half in halves]
-    return together, _results(alone)
+def decomposed(model, steps, blocks, np_=2, nodes=None):
+    """hvd_sgd's step on ``np_`` ranks of one job, in its parts, beside the ceiling's (the same ranks
+    training with no all-reduce) and hvd_sgd's own ``fit``, in alternating blocks
+    (workers.decompose); across ``nodes``, one thread a rank, as the network suite's other contenders."""
+    args = (model, GLOBAL_BATCH[model], steps, 1 if nodes else 0, blocks)
+    return _results([_start(_worker("mpirun", np_, "decompose", *args, nodes=nodes), 1)])[0]
 
 
 def mwms_np2(model, steps):

@@ -66,8 +66,9 @@ def run(plan, paired, steps, models):
                 # what the cost model charges latency for: a short run of its own, with Horovod's timeline on
                 row["ops_per_step"][model] = contenders.allreduce_ops_per_step(
                     2, model, min(steps[model], TIMELINE_STEPS), nodes)
-                # where the 2 nodes' step goes, against the two processes' (bench/decomposition.py)
-                row["decomposition"][model] = decomposition.row(*contenders.decomposed(model, steps[model], nodes=nodes))
+                # where the 2 nodes' step goes, against the same ranks' with no all-reduce (bench/decomposition.py)
+                row["decomposition"][model] = decomposition.row(
+                    contenders.decomposed(model, steps[model], plan.decomposition_blocks, nodes=nodes))
         print(f"   {link}: {row}", flush=True)
         results[link] = row
     return results

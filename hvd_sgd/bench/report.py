@@ -67,7 +67,7 @@ def write(results, directory):
             for link, row in rows.items():
                 md += ["", f"All-reduce across the nodes, link {link}:", "", *_allreduce_table(row["allreduce"])]
                 if row.get("decomposition"):
-                    md += ["", f"Link {link}, 2 nodes against the two processes:", "",
+                    md += ["", f"Link {link}, where the step of 2 nodes goes:", "",
                            *_decomposition_table(row["decomposition"])]
         elif suite == "tta":
             md += _tta_tables(rows)
@@ -202,14 +202,20 @@ def _decomposition_table(rows):
     """Each model's step on 2 ranks and the ceiling's, in its parts, and what 2 ranks lose in each
     (``rows``: {model: decomposition.row})."""
     from hvd_sgd.bench.decomposition import PARTS
-    md = ["Where the step goes (ms, the mean over steps and ranks; workers.decompose: hvd_sgd's step with "
-          "timestamps around its parts). Each cell: 2 ranks / the ceiling (two processes at once, no all-reduce), "
-          "then what 2 ranks lose. The parts add up to the step.", "",
-          f"| model | step | efficiency | {' | '.join(PARTS)} |", "| --- | --- | --- |" + " --- |" * len(PARTS)]
+    md = ["Where the step goes (bench/decomposition.py; ms, means over steps, ranks and blocks): the same ranks "
+          "in alternating blocks of the step with no all-reduce (the ceiling), of the same step with its "
+          "gradients averaged (the bare step, timed in its parts), and of hvd_sgd's own `fit`. Each part: 2 "
+          "ranks / the ceiling (what 2 ranks lose). *hvd_sgd*: what its own step adds to the bare one. "
+          "Efficiency: the ceiling's step over hvd_sgd's (over the bare step's), the median of the blocks'. "
+          "*Slower rank*: the part of the wait that one rank slower than the other through a whole block "
+          "explains (the ceiling's ranks, each on its own).", "",
+          f"| model | step: hvd_sgd / bare / ceiling | efficiency | {' | '.join(PARTS)} | hvd_sgd | slower rank |",
+          "| --- | --- | --- |" + " --- |" * (len(PARTS) + 2)]
     for model, d in rows.items():
         cells = [f"{d['ranks'][p]:.3f} / {d['ceiling'][p]:.3f} ({d['lost'][p]:+.3f})" for p in PARTS]
-        md.append(f"| {model} | {d['ranks']['step']:.3f} / {d['ceiling']['step']:.3f} | {d['efficiency']:.2f} | "
-                  + " | ".join(cells) + " |")
+        md.append(f"| {model} | {d['hvd_sgd_step']:.3f} / {d['ranks']['step']:.3f} / {d['ceiling']['step']:.3f} | "
+                  f"{d['efficiency']:.2f} ({d['efficiency_bare']:.2f}) | " + " | ".join(cells)
+                  + f" | {d['lost']['hvd_sgd']:+.3f} | {d['ceiling']['slower_rank']:.3f} |")
     return md
 
 
@@ -306,7 +312,7 @@ def _plot(results, directory):
         fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.5), squeeze=False)
         for ax, (model, r) in zip(axes[0], rows.items()):
             bottom = [0.0, 0.0]
-            for part in PARTS:
+            for part in (*PARTS, "hvd_sgd"):
                 heights = [r["decomposition"]["ranks"][part], r["decomposition"]["ceiling"][part]]
                 ax.bar(["2 ranks", "ceiling"], heights, bottom=bottom, label=part)
                 bottom = [b + h for b, h in zip(bottom, heights)]

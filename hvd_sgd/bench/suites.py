@@ -49,6 +49,12 @@ class Plan:
         return [1 << p for p in powers]
 
     @property
+    def decomposition_blocks(self):
+        """Blocks of each step in a decomposition: enough for the median of their ratios to hold
+        still while the machine's speed drifts; quick runs check that it runs."""
+        return 2 if self.quick else 6
+
+    @property
     def allreduce_blocks(self):
         """Timed blocks a size, each loop: enough to hold the ratio hvd / mpi4py steady from run to run,
         where a third of them did not; quick runs check that it runs."""
@@ -96,7 +102,7 @@ def run(plan):
                 rows[model] = paired(PAIRS[suite], model, STEPS[model, plan.quick], plan.rounds)
                 if suite == "scaling":  # where 2 ranks' step goes, against the ceiling's
                     rows[model]["decomposition"] = decomposition.row(
-                        *contenders.decomposed(model, STEPS[model, plan.quick]))
+                        contenders.decomposed(model, STEPS[model, plan.quick], plan.decomposition_blocks))
                 print(f"   {model}: {json.dumps(rows[model])}", flush=True)
             results["suites"][suite] = rows
     return results

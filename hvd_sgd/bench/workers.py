@@ -185,45 +185,76 @@ def _allreduce_loops(libraries):
     return loops, world.size, world.is_chief, lambda n: hvd.broadcast_object(n, root_rank=0)
 
 
-def decompose(model_name, global_batch, steps, threads):
-    """hvd_sgd's step (its batch gathered in the step, the model's forward and backward pass, one
-    grouped all-reduce of the gradients, SGD's update), timed in its parts on every rank with
-    timestamps inside the compiled step; the chief reports every rank's. Run as ``np`` ranks of one
-    job, or alone (the ceiling: no all-reduce)."""
-    from hvd_sgd import startup
-    world = startup.start(threads_per_rank=threads)
+def decompose(model_name, global_batch, steps, threads, blocks):
+    """Where hvd_sgd's step goes, on the ranks of one job: ``blocks`` blocks of each of three steps
+    in turn (the order reversed every other block, so that the machine's drift falls on each alike),
+    ``steps`` steps of each in all, every rank taking its slice of ``global_batch``:
+
+    - "ceiling": the step with no all-reduce, each rank training on its own;
+    - "together": the same step with the gradients averaged (one grouped all-reduce); both with
+      timestamps inside the compiled step around its parts (bench/decomposition.py);
+    - "hvd_sgd": ``hvd_sgd.train.fit`` itself on the same job, its own clock's images a second: its
+      optimizer's all-reduces, its loop's checks.
+
+    The chief reports every rank's timestamps and fit's figures."""
+    from hvd_sgd import startup, train
     import horovod.tensorflow as hvd
-    splits = datasets.load("mnist")
-    plan = RunPlan.build(world_size=world.size, num_examples=len(splits.x_train),
-                         per_rank_batch=global_batch // world.size, max_steps=steps)
-    next_batch = batches.step_batches(splits, batches.rank_batch_indices(plan, world.rank, 1, 0), world.threads)
-    model = models.build(models.BUILT_IN[model_name], splits.input_shape, splits.num_classes, 1)
-    optimizer, loss = tf.keras.optimizers.SGD(0.01, momentum=0.9), models.smoothed_cross_entropy(0.1)
-    optimizer.build(model.trainable_variables)
-    hvd.broadcast_variables(model.variables, root_rank=0)
+    per_block = max(5, steps // blocks)
+    splits = datasets.load("mnist").subset(test_examples=500)  # fit evaluates after each block: briefly
+    cfg = config.TrainConfig(model=model_name, batch_size=global_batch // startup.launch_size(), seed=1,
+                             max_steps=per_block, epochs=-(-per_block * global_batch // splits.num_train),
+                             threads_per_rank=threads, log_every_steps=10 ** 6)
+    job = train.start_job(cfg)
+    world = job.world
+    plan = RunPlan.build(world_size=world.size, num_examples=len(splits.x_train), per_rank_batch=cfg.batch_size,
+                         max_steps=(per_block + STEPS_TRACED) * blocks)
+    loss = models.smoothed_cross_entropy(cfg.label_smoothing)
 
-    def step():
-        start = tf.timestamp()
-        with tf.control_dependencies([start]):
-            images, labels = next_batch()
-        with tf.GradientTape() as tape:
-            value = loss(labels, model(images, training=True))
-        grads = tape.gradient(value, model.trainable_variables)
-        with tf.control_dependencies(grads):
-            computed = tf.timestamp()
-        with tf.control_dependencies([computed]):
-            grads = hvd.grouped_allreduce(grads, op=hvd.Average) if world.size > 1 else [tf.identity(g) for g in grads]
-        with tf.control_dependencies(grads):
-            reduced = tf.timestamp()
-        with tf.control_dependencies([reduced]):
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return tf.stack([start, computed, reduced, tf.timestamp()])  # after the update: stateful ops keep their order
+    def timed_step(together):
+        next_batch = batches.step_batches(splits, batches.rank_batch_indices(plan, world.rank, 1, 0), world.threads)
+        model = models.build(models.BUILT_IN[model_name], splits.input_shape, splits.num_classes, 1)
+        optimizer = tf.keras.optimizers.SGD(cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)  # fit's, at a fixed rate
+        optimizer.build(model.trainable_variables)
+        hvd.broadcast_variables(model.variables, root_rank=0)
 
-    timed = tf.function(step).get_concrete_function()
-    times = np.array([timed().numpy() for _ in range(steps)])[min(10, steps // 5):]  # the first steps trace, warm up
-    every = hvd.allgather_object(dict(host=world.placement()["host"], times=times.tolist()))
+        def step():
+            start = tf.timestamp()
+            with tf.control_dependencies([start]):
+                images, labels = next_batch()
+            with tf.GradientTape() as tape:
+                value = loss(labels, model(images, training=True))
+            grads = tape.gradient(value, model.trainable_variables)
+            with tf.control_dependencies(grads):
+                computed = tf.timestamp()
+            with tf.control_dependencies([computed]):
+                grads = hvd.grouped_allreduce(grads, op=hvd.Average) if together else [tf.identity(g) for g in grads]
+            with tf.control_dependencies(grads):
+                reduced = tf.timestamp()
+            with tf.control_dependencies([reduced]):
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return tf.stack([start, computed, reduced, tf.timestamp()])  # after the update: stateful ops keep their order
+
+        traced = tf.function(step).get_concrete_function()
+        for _ in range(STEPS_TRACED):  # the first steps trace and warm up
+            traced()
+        return traced
+
+    timed = dict(ceiling=timed_step(False), together=timed_step(world.size > 1))
+    kinds = ("ceiling", "together", "hvd_sgd")
+    times, images_per_second = dict(ceiling=[], together=[]), []
+    for block in range(blocks):
+        for kind in kinds if block % 2 == 0 else kinds[::-1]:
+            hvd.allreduce(tf.constant(0.0), name=f"block_{block}_{kind}")  # every rank starts it together
+            if kind == "hvd_sgd":
+                images_per_second.append(train.fit(models.BUILT_IN[model_name], splits, cfg, job)["images_per_second"])
+            else:
+                times[kind].append([timed[kind]().numpy().tolist() for _ in range(per_block)])
+    every = hvd.allgather_object(dict(host=world.placement()["host"], **times))
     if world.is_chief:
-        protocol.report(dict(ranks=every, global_batch=global_batch))
+        protocol.report(dict(ranks=every, hvd_sgd=images_per_second, global_batch=global_batch))
+
+
+STEPS_TRACED = 10  # each timed step's first calls, untimed
 
 
 def image_sets(directory, examples, test_examples, size, colour):
