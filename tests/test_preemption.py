@@ -58,15 +58,17 @@ def command(launcher, np_, args):
     return launchers.command(launcher, np_, "hvd_sgd.train", args)
 
 
-def left_running(session, seconds=5):
-    """The processes of the run's session (start_new_session) still there after ``seconds``: none,
-    once it has ended (a process being reaped, a zombie, is gone)."""
+def left_running(session, processes=(), seconds=5):
+    """The processes of the run's session (start_new_session), and of ``processes`` (horovodrun
+    starts its ranks in a session of their own), still there after ``seconds``: none, once it has
+    ended (a process being reaped, a zombie, is gone)."""
     deadline = time.monotonic() + seconds
     while True:
         left = []
-        for process in psutil.process_iter(["pid"]):
+        for process in {*psutil.process_iter(["pid"]), *processes}:
             try:
-                if os.getsid(process.pid) == session and process.status() != psutil.STATUS_ZOMBIE:
+                if (process in processes or os.getsid(process.pid) == session) and process.is_running() \
+                        and process.status() != psutil.STATUS_ZOMBIE:
                     left.append(" ".join(process.cmdline()))
             except (psutil.NoSuchProcess, ProcessLookupError, psutil.AccessDenied):
                 continue
@@ -75,14 +77,19 @@ def left_running(session, seconds=5):
         time.sleep(0.2)
 
 
-def unlocked(directory):
-    """Whether a new run could take ``directory`` (checkpoint.LOCK_FILE is free)."""
+def unlocked(directory, seconds=5):
+    """Whether a new run could take ``directory`` (checkpoint.LOCK_FILE is free) within ``seconds``:
+    the launcher may end a moment before rank 0, which holds the lock until it exits."""
+    deadline = time.monotonic() + seconds
     with open(directory / checkpoint.LOCK_FILE, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.2)
 
 
 @pytest.mark.parametrize("launcher,np_,signum,whom", CASES, ids=[f"{c[0]}-{c[2].name}-{c[3]}" for c in CASES])
@@ -95,6 +102,7 @@ def test_a_signal_stops_every_rank_after_the_same_step_with_its_checkpoint(launc
     run = start_and_wait(command(launcher, np_, [*LONG_RUN, *batch, "--max-steps", 100000,
                                                  "--checkpoint-dir", checkpoints]),
                          checkpoint_from_step(checkpoints, 100), timeout=120, env=launchers.environment(NP=str(np_)))
+    tree = psutil.Process(run.pid).children(recursive=True)  # the ranks among them
     if whom == "launcher":
         run.send_signal(signum)
     elif whom == "process group":  # the run's own (start_new_session), as a terminal's Ctrl-C reaches it
@@ -114,7 +122,7 @@ def test_a_signal_stops_every_rank_after_the_same_step_with_its_checkpoint(launc
         assert status != 0, stderr[-2000:]
     else:
         assert status == EXIT_STOPPED, (status, stderr[-2000:])
-    assert not left_running(run.pid) and unlocked(checkpoints)
+    assert not left_running(run.pid, tree) and unlocked(checkpoints)
     if launcher == "mpirun" and signum == signal.SIGUSR1:  # nothing lost: resumed, it ends where one run ends
         model = tmp_path / "resumed.keras"
         resumed = succeeded(launch("mpirun", 2, *LONG_RUN, "--checkpoint-dir", checkpoints, "--resume",
