@@ -34,8 +34,8 @@ def stop_lines(stderr):
 # workflow engine's or a user's kill), to a rank, or to the run's process group (a terminal's Ctrl-C).
 # The installation's mpirun (which horovodrun and run/train run) turns its signal into SIGUSR1,
 # which mpirun forwards to every rank; horovodrun --gloo sends its workers SIGTERM.
-# A stop takes about 2 s alone, and took 12 s once under the whole suite's load on 2 cores; one that
-# waited for a timeout instead (Open MPI's keepalive ends a job in about 25 s, the watchdog in 60) takes longer.
+# A stop takes seconds, and several times longer under the whole suite's load on 2 cores; the bound
+# stays below a stop that waited for a timeout instead (Open MPI's keepalive, the watchdog's).
 PROMPT_STOP_SECONDS = 20
 CASES = [
     ("python", 1, signal.SIGINT, "launcher"),

@@ -34,8 +34,7 @@ def _block_parts(blocks, one_host):
     return result
 
 
-def _by_block(report, kind):
-    one_host = len({r["host"] for r in report["ranks"]}) == 1
+def _by_block(report, kind, one_host):
     return [_block_parts([r[kind][b] for r in report["ranks"]], one_host) for b in range(len(report["ranks"][0][kind]))]
 
 
@@ -48,13 +47,15 @@ def row(report):
     means over blocks), hvd_sgd's own step, efficiency (the ceiling's step over hvd_sgd's, the
     median of the blocks' ratios, each from steps seconds apart; ``bare``: over the step together),
     what 2 ranks lose in each part, and the sum of the parts."""
-    together, ceiling = _by_block(report, "together"), _by_block(report, "ceiling")
+    one_host = len({r["host"] for r in report["ranks"]}) == 1
+    together, ceiling = _by_block(report, "together", one_host), _by_block(report, "ceiling", one_host)
     own = [report["global_batch"] / rate * 1e3 for rate in report["hvd_sgd"]]  # ms a step, its own clock
+    own_step = float(np.mean(own))
     ranks, alone = _mean(together), _mean(ceiling)
-    ranks["hvd_sgd"], alone["hvd_sgd"] = float(np.mean(own)) - ranks["step"], 0.0
+    ranks["hvd_sgd"], alone["hvd_sgd"] = own_step - ranks["step"], 0.0
     lost = {k: ranks[k] - alone[k] for k in (*PARTS, "hvd_sgd")}
-    return dict(ranks=ranks, ceiling=alone, hvd_sgd_step=float(np.mean(own)),
+    return dict(ranks=ranks, ceiling=alone, hvd_sgd_step=own_step,
                 efficiency=float(np.median([c["step"] / o for c, o in zip(ceiling, own)])),
                 efficiency_bare=float(np.median([c["step"] / t["step"] for c, t in zip(ceiling, together)])),
-                lost=lost, gap=float(np.mean(own)) - alone["step"],
+                lost=lost, gap=own_step - alone["step"],
                 sum_of_parts=sum(ranks[k] for k in PARTS), blocks=len(own))

@@ -206,7 +206,7 @@ def decompose(model_name, global_batch, steps, threads, blocks):
                              threads_per_rank=threads, log_every_steps=10 ** 6)
     job = train.start_job(cfg)
     world = job.world
-    plan = RunPlan.build(world_size=world.size, num_examples=len(splits.x_train), per_rank_batch=cfg.batch_size,
+    plan = RunPlan.build(world_size=world.size, num_examples=splits.num_train, per_rank_batch=cfg.batch_size,
                          max_steps=(per_block + STEPS_TRACED) * blocks)
     loss = models.smoothed_cross_entropy(cfg.label_smoothing)
 
