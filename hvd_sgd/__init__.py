@@ -12,11 +12,6 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 __version__ = "0.1.0"
 
-# One stop request often arrives twice: Ctrl-C reaches the launcher and the ranks, and mpirun forwards
-# SIGUSR1 to ranks that got it from the batch system too. Within this window it is the same request
-# (hvd_sgd.preemption in the ranks, hvd_sgd.mpirun in the launcher).
-SAME_REQUEST_SECONDS = 1.0
-
 
 def __getattr__(name):
     """The API for your own model and data, imported on first use (TensorFlow is slow to import):
@@ -24,8 +19,8 @@ def __getattr__(name):
     ``hvd_sgd.SyncBatchNormalization`` (on either stack)."""
     import importlib
     api = dict(fit=("hvd_sgd.train", "fit"), TrainConfig=("hvd_sgd.config", "TrainConfig"),
-               Splits=("hvd_sgd.datasets", "Splits"), datasets=("hvd_sgd.datasets", None),
-               SyncBatchNormalization=("hvd_sgd.distributed", "SyncBatchNormalization"))
+               Splits=("hvd_sgd.data.datasets", "Splits"), datasets=("hvd_sgd.data.datasets", None),
+               SyncBatchNormalization=("hvd_sgd.training.distributed", "SyncBatchNormalization"))
     if name not in api:
         raise AttributeError(f"module 'hvd_sgd' has no attribute {name!r}")
     module_name, attribute = api[name]

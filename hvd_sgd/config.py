@@ -26,8 +26,12 @@ def option(default, help, flag=None, **argparse_kwargs):
     return dataclasses.field(default=default, metadata=dict(help=help, flag=flag, kwargs=argparse_kwargs))
 
 
+# hvd_sgd.train's flags, in sections: each part of the program takes the sections it needs, and
+# --help lists the flags section by section. A section's docstring is its title there.
+
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class Data:
+    """The model and the data"""
     model: str = option("cnn", "softmax (the classic 784->10 regression), mlp, cnn (small and fast), classic_cnn "
                                "(the Keras example's: 12x the weights, 6x the arithmetic), resnet20 (He et al.'s "
                                "CIFAR ResNet), resnet50 (Keras Applications', from scratch; images of 32x32 or "
@@ -48,6 +52,26 @@ class TrainConfig:
                                   "of its side, and a random horizontal flip, drawn per example and epoch")
     tfrecord_features: str = option(",".join(("image/encoded", "image/class/label")),
                                     "the TFRecord features holding the encoded image and its integer label")
+    train_examples: int = option(0, "train on the first N training examples only (0 = all); for quick trials")
+    test_examples: int = option(0, "evaluate on the first N test examples only (0 = all)")
+    seed: int = option(1, "seed of the weights' initialisation and of the data order (the order does not "
+                          "depend on the number of ranks)")
+
+    def validate(self):
+        _not_negative(self, "train_examples", "test_examples")
+        _seed(self.seed)
+        _model_spec(self.model)
+        _data_dir(self.data_dir)
+        if self.image_size is not None and self.image_size < 1:
+            raise JobError(f"--image-size must be at least 1, got {self.image_size}")
+        if len([name for name in self.tfrecord_features.split(",") if name]) != 2:
+            raise JobError(f"--tfrecord-features: two feature names, the image's and the label's, separated by a "
+                           f"comma, got {self.tfrecord_features!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimization:
+    """Optimisation and its schedule"""
     epochs: int = option(2, "passes over the training set; also the horizon of the learning-rate decay")
     max_steps: Optional[int] = option(None, "stop after this many steps (weight updates), even mid-epoch")
     batch_size: int = option(32, "examples per rank per backward pass; the global batch is this x ranks x "
@@ -66,51 +90,12 @@ class TrainConfig:
                                      "cosine, or keep it constant", choices=("cosine", "none"))
     warmup_epochs: float = option(0.4, "ramp the learning rate linearly from --lr to its scaled value over "
                                        "this many epochs (Goyal et al.)")
-    seed: int = option(1, "seed of the weights' initialisation and of the data order (the order does not "
-                          "depend on the number of ranks)")
-    threads_per_rank: int = option(0, "TensorFlow intra-op threads per rank; 0 = the rank's share of its node's CPUs")
-    bind_cpus: bool = option(True, "binding each rank its launcher left unbound (horovodrun binds none) to its own "
-                                   "equal share of the node's CPUs", flag="--no-bind-cpus")
     target_accuracy: float = option(0.0, "stop once a test evaluation (after each epoch) reaches this accuracy; "
                                          "0 = train to the end")
-    train_examples: int = option(0, "train on the first N training examples only (0 = all); for quick trials")
-    test_examples: int = option(0, "evaluate on the first N test examples only (0 = all)")
-    checkpoint_dir: Optional[str] = option(None, "rank 0 writes a checkpoint here after every epoch and at the end; "
-                                                 "one run at a time per directory")
-    checkpoint_every_steps: int = option(0, "also write a checkpoint every N steps (0 = at epoch ends and the end)")
-    resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir (rank 0 reads it, "
-                                 "every rank receives it)")
-    save_model: Optional[str] = option(None, "write the final model to this .keras file (or .h5, Keras' legacy "
-                                             "format), loadable by plain TensorFlow")
-    metrics_file: Optional[str] = option(None, "write a JSON summary of the run here (accuracy, throughput, ...)")
-    log_dir: Optional[str] = option(None, "write TensorBoard logs here")
-    log_every_steps: int = option(50, "average the loss over all ranks and report it every N steps")
-    stall_timeout: float = option(60.0, "end the job when no rank made progress (a step, a test batch of rank "
-                                        "0's evaluation, its checkpoint's files read or growing) for this many "
-                                        "seconds: a frozen rank, or a hung file system, named")
-    elastic: bool = option(False, "elastic training under horovodrun --min-np/--max-np/--host-discovery-script: "
-                                  "workers may leave or join")
-    commit_every_steps: int = option(10, "with --elastic, commit the state in memory every N steps (what a lost "
-                                         "worker costs at most)")
-    fp16_allreduce: bool = option(False, "compress gradients to float16 for the all-reduce")
-    precision: str = option("float32", "float32; mixed_bfloat16: layers compute in bfloat16 with float32 weights, "
-                                       "for CPUs with AVX-512 BF16 or AMX and GPUs since Ampere; mixed_float16: "
-                                       "float16 with dynamic loss scaling, every rank skipping a step that "
-                                       "overflows on any, for older GPUs (logits, loss and the saved model stay "
-                                       "float32)", choices=("float32", "mixed_bfloat16", "mixed_float16"))
 
     def validate(self):
-        _positive(self, "epochs", "batch_size", "log_every_steps", "backward_passes_per_step", "commit_every_steps")
-        _not_negative(self, "threads_per_rank", "train_examples", "test_examples", "checkpoint_every_steps")
-        _positive_number(self, "lr", "stall_timeout")
-        _seed(self.seed)
-        _model_spec(self.model)
-        _data_dir(self.data_dir)
-        if self.image_size is not None and self.image_size < 1:
-            raise JobError(f"--image-size must be at least 1, got {self.image_size}")
-        if len([name for name in self.tfrecord_features.split(",") if name]) != 2:
-            raise JobError(f"--tfrecord-features: two feature names, the image's and the label's, separated by a "
-                           f"comma, got {self.tfrecord_features!r}")
+        _positive(self, "epochs", "batch_size", "backward_passes_per_step")
+        _positive_number(self, "lr")
         if self.max_steps is not None and self.max_steps < 1:
             raise JobError(f"--max-steps must be at least 1, got {self.max_steps}")
         if not 0 <= self.target_accuracy <= 1:
@@ -124,10 +109,95 @@ class TrainConfig:
         if self.lr_decay == "cosine" and self.warmup_epochs >= self.epochs:
             raise JobError(f"--warmup-epochs {self.warmup_epochs:g} leaves none of --epochs {self.epochs} for the "
                            f"cosine decay: shorten the warm-up, or add --lr-decay none")
-        if self.save_model is not None and not self.save_model.endswith((".keras", ".h5")):
-            raise JobError(f"--save-model {self.save_model}: name a .keras file (or .h5, Keras' legacy format)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """Precision and gradient compression"""
+    precision: str = option("float32", "float32; mixed_bfloat16: layers compute in bfloat16 with float32 weights, "
+                                       "for CPUs with AVX-512 BF16 or AMX and GPUs since Ampere; mixed_float16: "
+                                       "float16 with dynamic loss scaling, every rank skipping a step that "
+                                       "overflows on any, for older GPUs (logits, loss and the saved model stay "
+                                       "float32)", choices=("float32", "mixed_bfloat16", "mixed_float16"))
+    fp16_allreduce: bool = option(False, "compress gradients to float16 for the all-reduce")
+
+    def validate(self):
+        """Nothing to check here: the precision is one of the flag's choices."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpointing:
+    """Checkpoints"""
+    checkpoint_dir: Optional[str] = option(None, "rank 0 writes a checkpoint here after every epoch and at the end; "
+                                                 "one run at a time per directory")
+    checkpoint_every_steps: int = option(0, "also write a checkpoint every N steps (0 = at epoch ends and the end)")
+    resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir (rank 0 reads it, "
+                                 "every rank receives it)")
+
+    def validate(self):
+        _not_negative(self, "checkpoint_every_steps")
         if self.resume and not self.checkpoint_dir:
             raise JobError("--resume needs --checkpoint-dir")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    """What rank 0 writes and prints"""
+    save_model: Optional[str] = option(None, "write the final model to this .keras file (or .h5, Keras' legacy "
+                                             "format), loadable by plain TensorFlow")
+    metrics_file: Optional[str] = option(None, "write a JSON summary of the run here (accuracy, throughput, ...)")
+    log_dir: Optional[str] = option(None, "write TensorBoard logs here")
+    log_every_steps: int = option(50, "average the loss over all ranks and report it every N steps")
+
+    def validate(self):
+        _positive(self, "log_every_steps")
+        if self.save_model is not None and not self.save_model.endswith((".keras", ".h5")):
+            raise JobError(f"--save-model {self.save_model}: name a .keras file (or .h5, Keras' legacy format)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """The ranks and their faults"""
+    threads_per_rank: int = option(0, "TensorFlow intra-op threads per rank; 0 = the rank's share of its node's CPUs")
+    bind_cpus: bool = option(True, "binding each rank its launcher left unbound (horovodrun binds none) to its own "
+                                   "equal share of the node's CPUs", flag="--no-bind-cpus")
+    stall_timeout: float = option(60.0, "end the job when no rank made progress (a step, a test batch of rank "
+                                        "0's evaluation, its checkpoint's files read or growing) for this many "
+                                        "seconds: a frozen rank, or a hung file system, named")
+    elastic: bool = option(False, "elastic training under horovodrun --min-np/--max-np/--host-discovery-script: "
+                                  "workers may leave or join")
+    commit_every_steps: int = option(10, "with --elastic, commit the state in memory every N steps (what a lost "
+                                         "worker costs at most)")
+
+    def validate(self):
+        _positive(self, "commit_every_steps")
+        _not_negative(self, "threads_per_rank")
+        _positive_number(self, "stall_timeout")
+
+
+def _section(cls):
+    """A TrainConfig's section ``cls``: its fields' values."""
+    return property(lambda cfg: cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)}))
+
+
+SECTIONS = (Data, Optimization, Numerics, Checkpointing, Outputs, Ranks)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(*reversed(SECTIONS)):  # reversed: a dataclass takes its bases' fields from the last base up
+    """Every flag of ``python -m hvd_sgd.train``: flat, as on the command line
+    (``TrainConfig(epochs=2, lr=0.02)``), and by section (``cfg.optimization``)."""
+    SECTIONS = SECTIONS  # --help's groups
+    data = _section(Data)
+    optimization = _section(Optimization)
+    numerics = _section(Numerics)
+    checkpointing = _section(Checkpointing)
+    outputs = _section(Outputs)
+    ranks = _section(Ranks)
+
+    def validate(self):
+        for section in SECTIONS:
+            section.validate(self)
         return self
 
 
@@ -232,16 +302,23 @@ def parse(config_class, argv=None, description=None, speaks=True, module=None):
     """
     prog = f"python -m {module}" if module and sys.argv[0].endswith(".py") else None
     parser = _Parser(speaks, prog=prog, description=description)
-    for field in dataclasses.fields(config_class):
-        meta = field.metadata
-        if field.type is bool:
-            # SUPPRESS: an absent flag keeps the dataclass default (and --help shows no "(default: True)").
-            negated = field.default is True
-            parser.add_argument(meta["flag"] or _flag(field.name), dest=field.name, default=argparse.SUPPRESS,
-                                action="store_false" if negated else "store_true",
-                                help=f"turn off {meta['help']}" if negated else meta["help"])
-        else:
-            parser.add_argument(meta["flag"] or _flag(field.name), dest=field.name, type=_value_type(field.type),
-                                default=field.default, help=meta["help"],
-                                metavar=None if "choices" in meta["kwargs"] else field.name.upper(), **meta["kwargs"])
+    sections = getattr(config_class, "SECTIONS", None) or (config_class,)
+    for section in sections:
+        group = parser.add_argument_group(section.__doc__.splitlines()[0]) if len(sections) > 1 else parser
+        for field in dataclasses.fields(section):
+            _add_flag(group, field)
     return config_class(**vars(parser.parse_args(argv))).validate()
+
+
+def _add_flag(parser, field):
+    meta = field.metadata
+    if field.type is bool:
+        # SUPPRESS: an absent flag keeps the dataclass default (and --help shows no "(default: True)").
+        negated = field.default is True
+        parser.add_argument(meta["flag"] or _flag(field.name), dest=field.name, default=argparse.SUPPRESS,
+                            action="store_false" if negated else "store_true",
+                            help=f"turn off {meta['help']}" if negated else meta["help"])
+    else:
+        parser.add_argument(meta["flag"] or _flag(field.name), dest=field.name, type=_value_type(field.type),
+                            default=field.default, help=meta["help"],
+                            metavar=None if "choices" in meta["kwargs"] else field.name.upper(), **meta["kwargs"])

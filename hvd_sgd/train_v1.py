@@ -16,14 +16,17 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from hvd_sgd import batches, checkpoint, cli, config, datasets, files, startup
-from hvd_sgd.plan import RunPlan
+from hvd_sgd import config
+from hvd_sgd.data import batches, datasets
+from hvd_sgd.runtime import cli, startup
+from hvd_sgd.training import checkpoint, files
+from hvd_sgd.training.plan import RunPlan
 
 tf1 = tf.compat.v1
 
 
 def main(argv=None):
-    cfg = config.parse(config.TrainV1Config, argv, __doc__, speaks=startup.launch_rank() == 0,
+    cfg = config.parse(config.TrainV1Config, argv, __doc__, speaks=startup.is_chief(),
                        module="hvd_sgd.train_v1")
     w = startup.start()
     import horovod.tensorflow as hvd
@@ -32,13 +35,15 @@ def main(argv=None):
     with w.agreement():
         splits = datasets.load(cfg.dataset, cfg.data_dir)
         n = len(splits.x_train)
-        run_plan = RunPlan.build(world_size=w.size, num_examples=n, per_rank_batch=cfg.batch_size, max_steps=cfg.steps)
+        run_plan = RunPlan.build(world_size=w.size, num_examples=n, per_rank_batch=cfg.batch_size, lr=cfg.lr,
+                                 lr_scaling=False, max_steps=cfg.steps)
         rank_batches = batches.rank_batch_indices(run_plan, w.rank, cfg.seed, 0)
         if w.is_chief:  # rank 0 writes the files: find out now if it cannot; one run per checkpoint directory
             if cfg.metrics_file:
                 files.check_writable(files.parent(cfg.metrics_file), f"--metrics-file {cfg.metrics_file}")
             if cfg.checkpoint_dir:
                 checkpoint.lock_directory(cfg.checkpoint_dir, f"--checkpoint-dir {cfg.checkpoint_dir}")
+    w.log(f"hvd_sgd.train_v1: {w.size} rank(s), {w.threads} thread(s) each; {run_plan.describe()}")
     classes = splits.num_classes  # 10 for MNIST
     images, labels = _flat(splits.x_train), _one_hot(splits.y_train, classes)
     pixels = images.shape[1]  # 784 for MNIST
@@ -83,7 +88,7 @@ def main(argv=None):
             files.write_json(cfg.metrics_file, dict(
                 test_accuracy=float(test_accuracy.value), steps=int(step), resumed_from_step=int(first_step),
                 world_size=w.size, per_rank_batch=cfg.batch_size, learning_rate=cfg.lr, wall_seconds=seconds,
-                images_per_second=(step - first_step) * cfg.batch_size * w.size / seconds))
+                images_per_second=(step - first_step) * run_plan.global_batch / seconds))
         w.log(f"Test accuracy: {test_accuracy.value:.4f}")
 
 

@@ -1,4 +1,4 @@
-"""Helpers that the test files share: launching hvd_sgd the way users do (hvd_sgd.launchers), small
+"""Helpers that the test files share: launching hvd_sgd the way users do (hvd_sgd.bench.launchers), small
 IDX datasets, and long runs in the background with the faults done to them."""
 import gzip
 import importlib.util
@@ -17,7 +17,9 @@ import numpy as np
 import psutil
 import pytest
 
-from hvd_sgd import datasets, distributed, launchers
+from hvd_sgd.bench import launchers
+from hvd_sgd.data import datasets
+from hvd_sgd.training import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 collect_ignore = ["horovod"]  # Horovod's own tests, which test_horovod_suite runs under mpirun
@@ -334,7 +336,7 @@ def id_images(n_train, n_test, shape=(8, 8), classes=10, seed=0):
 
 def exported(path, layout, splits, **options):
     """``splits`` written by hvd_sgd's converter as ``layout`` (PNG unless ``image_format`` says)."""
-    from hvd_sgd import convert  # TensorFlow: only in the tests that make image sets
+    from hvd_sgd.data import convert  # TensorFlow: only in the tests that make image sets
     convert.export(splits, str(path), layout, image_format=options.pop("image_format", "png"), **options)
     return path
 

@@ -4,8 +4,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import write_dataset
-from hvd_sgd import batches, datasets
-from hvd_sgd.plan import RunPlan
+from hvd_sgd.data import batches, datasets
+from hvd_sgd.training.plan import RunPlan
 
 
 def plan(n, batch, size, per_epoch=None, passes=1):

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from conftest import PYTHON, ROOT, assert_same_weights, launch, reported_accuracy, succeeded, train_and_save
-from hvd_sgd import launchers
+from hvd_sgd.bench import launchers
 from hvd_sgd.bench import layout, record
 from hvd_sgd.bench.decomposition import PARTS
 from hvd_sgd.bench.suites import stack_python
@@ -119,7 +119,7 @@ def test_the_lever_suite_measures_without_and_with_its_variable(tmp_path):
 
 
 def test_a_lever_variable_is_set_inside_its_block_and_restored_after(monkeypatch):
-    from hvd_sgd import launchers
+    from hvd_sgd.bench import launchers
     monkeypatch.setenv("HVD_SGD_LEVER_SET", "before")
     monkeypatch.delenv("HVD_SGD_LEVER_UNSET", raising=False)
     with launchers.environment_variable("HVD_SGD_LEVER_SET", None), \

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import PYTHON, ROOT, error_lines, launch, random_arrays, reported_accuracy, succeeded, write_dataset, write_idx
-from hvd_sgd import JobError, datasets
+from hvd_sgd import JobError
+from hvd_sgd.data import datasets
 
 
 # --- IDX files ---------------------------------------------------------------------------

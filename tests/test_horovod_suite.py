@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ElementTree
 import pytest
 
 from conftest import ROOT, STACK
-from hvd_sgd import launchers
+from hvd_sgd.bench import launchers
 
 pytestmark = [pytest.mark.horovod_suite, pytest.mark.both_stacks, pytest.mark.slow]
 SUITE = ROOT / "tests" / "horovod"

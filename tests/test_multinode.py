@@ -14,7 +14,7 @@ import pytest
 from conftest import (PYTHON, ROOT, assert_same_weights, checkpoint_from_step, ended_within, exported, id_images,
                       ids_by_rank, output_lines, read_json, recorder, reported_accuracy, run_job, run_recorded,
                       saved_weights, start_and_wait, submit_job, succeeded, train_and_save)
-from hvd_sgd import launchers
+from hvd_sgd.bench import launchers
 from hvd_sgd.bench import project
 
 # run/test's xdist workers run the cluster tests (this file's and test_slurm's) on one worker, in order.

@@ -3,8 +3,9 @@ import dataclasses
 
 import pytest
 
-from hvd_sgd import JobError, config, schedules
-from hvd_sgd.plan import RunPlan
+from hvd_sgd import JobError, config
+from hvd_sgd.training import schedules
+from hvd_sgd.training.plan import RunPlan
 
 
 def test_the_plan_of_the_default_recipe_on_four_ranks():

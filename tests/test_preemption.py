@@ -14,9 +14,10 @@ import pytest
 
 from conftest import (LONG_RUN, ROOT, assert_same_weights, checkpoint_from_step, ended_within, frozen, launch,
                       output_lines, rank_process, saved_weights, start_and_wait, succeeded)
-from hvd_sgd import checkpoint, launchers
-from hvd_sgd.cli import EXIT_STOPPED
-from hvd_sgd.preemption import CHECK_EVERY_SECONDS
+from hvd_sgd.bench import launchers
+from hvd_sgd.training import checkpoint
+from hvd_sgd.runtime.cli import EXIT_STOPPED
+from hvd_sgd.runtime.preemption import CHECK_EVERY_SECONDS
 
 pytestmark = pytest.mark.slow
 
@@ -185,7 +186,7 @@ def test_a_signal_during_start_up_stops_the_run_at_its_first_check(tmp_path):
 
 CHECK_INTERVALS = """
 import json
-from hvd_sgd import preemption, startup
+from hvd_sgd.runtime import preemption, startup
 startup.start()
 import horovod.tensorflow as hvd
 stop = preemption.StopRequest(60)

@@ -14,7 +14,8 @@ import pytest
 from conftest import (LONG_RUN, LONG_STEPS, PYTHON, ROOT, assert_same_weights, checkpoint_from_step, ended_within,
                       error_lines, frozen, in_cgroup, launch, output_lines, random_arrays, rank_exits, rank_process,
                       read_json, reported_accuracy, saved_weights, start_and_wait, succeeded, write_dataset, write_idx)
-from hvd_sgd import launchers, watchdog
+from hvd_sgd.bench import launchers
+from hvd_sgd.runtime import watchdog
 
 
 # --- bad input ---------------------------------------------------------------------------

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from hvd_sgd import schedules
+from hvd_sgd.training import schedules
 
 
 def rates(schedule, steps):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import PYTHON, ROOT, STACK, error_lines, launch, output_lines, succeeded
-from hvd_sgd import launchers
+from hvd_sgd.bench import launchers
 
 # Two ranks, one weight w = 0, one fit step at learning rate 1 on the mean absolute error
 # |w x - 100|, whose gradient is -x: rank r has x = r + 1, so its own step gives w = r + 1 and
@@ -16,7 +16,8 @@ ONE_STEP = """
 import json, sys
 import numpy as np
 import tensorflow as tf
-from hvd_sgd import distributed, startup
+from hvd_sgd.runtime import startup
+from hvd_sgd.training import distributed
 startup.start(threads_per_rank=1)
 import horovod.tensorflow as hvd
 dense = tf.keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
@@ -41,7 +42,7 @@ def weights_after_one_step(optimizer):
 @pytest.mark.both_stacks
 @pytest.mark.parametrize("optimizer,keras_2,keras_3", [
     ("plain", [1.0, 2.0], [1.0, 2.0]),  # the control: each rank applies its own gradient
-    ("hvd_sgd", [1.5, 1.5], [1.5, 1.5]),  # hvd_sgd.distributed: the average, on either stack
+    ("hvd_sgd", [1.5, 1.5], [1.5, 1.5]),  # hvd_sgd.training.distributed: the average, on either stack
     ("horovod", [1.5, 1.5], [1.0, 2.0]),  # hvd.DistributedOptimizer: averages under Keras 2 only (#4290)
 ])
 def test_only_a_wrapper_that_averages_on_this_stack_makes_the_ranks_agree(optimizer, keras_2, keras_3):
@@ -78,7 +79,7 @@ def test_the_keras_3_wrapper_refuses_what_would_not_average(optimizer, expected)
 NORMALIZED = """
 import tensorflow as tf
 import hvd_sgd
-from hvd_sgd import distributed
+from hvd_sgd.training import distributed
 
 def model(normalization):
     def build(input_shape, num_classes):

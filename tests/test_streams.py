@@ -13,7 +13,8 @@ import pytest
 from conftest import (PYTHON, ROOT, assert_same_weights, checkpoint_from_step, ended_within, error_lines, exported,
                       id_images, ids_by_rank, launch, output_lines, peak_memory, recorder, reported_accuracy,
                       run_recorded, saved_weights, start_and_wait, succeeded, write_dataset)
-from hvd_sgd import catalogs, convert, launchers
+from hvd_sgd.bench import launchers
+from hvd_sgd.data import catalogs, convert
 
 # --- layouts, the converter and the indexes --------------------------------------------------
 
@@ -25,7 +26,7 @@ def test_the_converter_writes_a_layout_that_reads_back_as_the_arrays(layout, tmp
     assert (len(image_set.train), len(image_set.test)) == (30, 7)
     if layout == "folder":  # zero-padded class names keep the labels' order when sorted
         assert image_set.class_names == tuple(f"{c:02d}" for c in range(12))
-    from hvd_sgd import streams
+    from hvd_sgd.data import streams
     images, labels = zip(*streams.test_batches(image_set))
     by_id = {int(i): k for k, i in enumerate(splits.x_test[:, 0, 0].astype(int) * 256 + splits.x_test[:, 0, 1])}
     decoded = np.concatenate([np.rint(b.numpy()[..., 0] * 255) for b in images]).astype(np.uint8)
@@ -37,7 +38,7 @@ def test_the_converter_writes_a_layout_that_reads_back_as_the_arrays(layout, tmp
 
 def test_the_converter_command_resizes_and_colours_mnist(tmp_path):
     out = tmp_path / "tf"
-    subprocess.run([PYTHON, "-m", "hvd_sgd.datasets", "export", "--format", "tfrecord", "--from", "mnist",
+    subprocess.run([PYTHON, "-m", "hvd_sgd.data", "export", "--format", "tfrecord", "--from", "mnist",
                     "--train-examples", "40", "--test-examples", "10", "--image-size", "16", "--colour", "--shards", "2",
                     str(out)], cwd=ROOT, check=True, capture_output=True, timeout=120)
     image_set = catalogs.open_set(str(out))
@@ -145,7 +146,7 @@ def test_n_ranks_train_like_one_on_an_image_folder_augmented(tmp_path):
 @pytest.mark.slow
 def test_ranks_evaluate_their_shares_and_the_sum_is_what_one_process_counts(recorded, shards):
     import tensorflow as tf
-    from hvd_sgd import streams
+    from hvd_sgd.data import streams
     _, data = shards
     summary = recorded[2][2]
     model = tf.keras.models.load_model(summary["config"]["save_model"])

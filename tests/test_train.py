@@ -9,7 +9,7 @@ import pytest
 
 from conftest import (PYTHON, ROOT, STACK, assert_same_weights, error_lines, launch, max_difference, output_lines,
                       read_json, reported_accuracy, succeeded, train_and_save)
-from hvd_sgd import launchers
+from hvd_sgd.bench import launchers
 
 
 @pytest.mark.both_stacks
@@ -29,7 +29,7 @@ def test_every_launcher_trains_and_ranks_end_identical(launcher, np_, tmp_path, 
 
 def test_throughput_counts_the_training_steps_only(monkeypatch):
     """Not the first step (it traces), nor evaluations, nor what happens after the last step."""
-    from hvd_sgd import loop
+    from hvd_sgd.training import loop
     now = [0.0]
     monkeypatch.setattr(loop.time, "perf_counter", lambda: now[0])
     clock = loop.StepClock()
@@ -48,7 +48,7 @@ def test_throughput_counts_the_training_steps_only(monkeypatch):
 
 PLACEMENT = r"""
 import json, os, sys
-from hvd_sgd import startup
+from hvd_sgd.runtime import startup
 w = startup.start(threads_per_rank=int(sys.argv[2]), bind_cpus=sys.argv[1] == "bind")
 def affinity(thread):
     try:
@@ -91,7 +91,7 @@ def test_each_rank_gets_its_own_share_of_the_cores(launcher, bind, threads, tmp_
     ({"SLURM_NTASKS": "4"}, "0.1"),  # placement unknown: as if all on this node
 ])
 def test_horovod_cycle_is_zero_while_every_rank_has_a_core(env, expected, monkeypatch):
-    from hvd_sgd import startup
+    from hvd_sgd.runtime import startup
     for name in {*startup._SIZE_VARIABLES, *startup._LOCAL_SIZE_VARIABLES}:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
@@ -103,7 +103,7 @@ def test_horovod_cycle_is_zero_while_every_rank_has_a_core(env, expected, monkey
 IDLE_CPU = """
 import json, resource, time
 import tensorflow as tf
-from hvd_sgd import startup
+from hvd_sgd.runtime import startup
 startup.start()
 import horovod.tensorflow as hvd
 hvd.allreduce(tf.ones(4))  # the background thread has worked, and now has nothing to do
@@ -131,7 +131,7 @@ def test_horovods_thread_takes_no_cpu_while_its_rank_has_nothing_to_reduce():
 FAULTS_PER_ALLREDUCE = """
 import resource, statistics
 import tensorflow as tf
-from hvd_sgd import startup
+from hvd_sgd.runtime import startup
 startup.start()
 import horovod.tensorflow as hvd
 tensor = tf.zeros(16 << 20)  # 64 MiB
@@ -289,6 +289,6 @@ assert "hvd_sgd" not in sys.modules and "horovod" not in sys.modules
 
 
 def mnist_cache():
-    from hvd_sgd import datasets
+    from hvd_sgd.data import datasets
     datasets.load("mnist")
     return f"{datasets.data_dir()}/mnist.npz"

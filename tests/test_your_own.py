@@ -8,7 +8,9 @@ import pytest
 import tensorflow as tf
 
 from conftest import PYTHON, ROOT, error_lines, launch, peak_memory, read_json, reported_accuracy, succeeded
-from hvd_sgd import JobError, datasets, launchers, shared_data
+from hvd_sgd import JobError
+from hvd_sgd.bench import launchers
+from hvd_sgd.data import datasets, shared_data
 
 
 def test_the_example_trains_its_own_model_through_the_api():
@@ -209,7 +211,7 @@ def reshapes_to_783(input_shape, num_classes):
                       rf"InvalidArgumentError: .*783.* \({__file__}, line \d+\)$"),
 ])
 def test_a_model_that_breaks_the_contract_is_one_line_naming_it(model_fn, message):
-    from hvd_sgd import models
+    from hvd_sgd.training import models
     with pytest.raises(JobError) as error:
         models.build(model_fn, (28, 28, 1), 10, seed=1)
     assert re.match(message, str(error.value)) and "\n" not in str(error.value), str(error.value)

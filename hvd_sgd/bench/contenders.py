@@ -11,8 +11,8 @@ import subprocess
 import tempfile
 import time
 
-from hvd_sgd import launchers
-from hvd_sgd.bench import protocol
+from hvd_sgd import runtime
+from hvd_sgd.bench import launchers, protocol
 
 # softmax: the seed's 100 per rank on 2 ranks; cnn: its default, 32 per rank.
 GLOBAL_BATCH = {"softmax": 200, "classic_cnn": 128, "cnn": 64, "resnet20": 128}
@@ -260,7 +260,7 @@ def independent_2x1(model, steps, bound=True):
     the ranks are: ``bound`` to half of the CPUs each, as hvd_sgd binds 2 ranks on one host (the
     virtual cluster's ranks, one a node, are not). hvd_sgd's own step, not plain Keras': a short
     step differs between the two loops."""
-    halves = [launchers.cpu_slice(i, 2) for i in range(2)]
+    halves = [runtime.cpu_slice(i, 2) for i in range(2)]
     args = [*_throughput_args(2, model, steps, None), "--threads-per-rank", max(1, len(halves[0]))]
     if not (bound and halves[0]):
         halves = [None, None]

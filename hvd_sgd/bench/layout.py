@@ -16,6 +16,7 @@ import sys
 
 from hvd_sgd import config
 from hvd_sgd.bench import contenders
+from hvd_sgd.training.plan import global_batch, scaled_lr
 
 # Long enough to pass start-up's first steps and time a few seconds of the built-in models.
 STEPS = {"softmax": 300, "mlp": 200, "cnn": 60, "classic_cnn": 20, "resnet20": 10, "resnet50": 3}
@@ -33,7 +34,8 @@ def flags_for(argv, ranks, cores):
     batch already under --no-lr-scaling)."""
     cfg = config.parse(config.TrainConfig, list(argv))
     share = cores // ranks
-    return [*argv, "--batch-size", str(cfg.batch_size * share), "--lr", repr(cfg.lr * share if cfg.lr_scaling else cfg.lr)]
+    return [*argv, "--batch-size", str(global_batch(cfg.batch_size, share)),
+            "--lr", repr(scaled_lr(cfg.lr, share, cfg.lr_scaling))]
 
 
 def measure(argv, rounds=1, steps=None, cores=None):

@@ -10,7 +10,7 @@ import os
 import pathlib
 import subprocess
 
-from hvd_sgd import launchers
+from hvd_sgd.bench import launchers
 from hvd_sgd.bench import contenders, decomposition
 
 CLUSTER = pathlib.Path(__file__).resolve().parents[2] / "run" / "cluster"

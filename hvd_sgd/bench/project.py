@@ -18,6 +18,7 @@ import math
 
 from hvd_sgd.bench import contenders
 from hvd_sgd.bench.network import model_rows
+from hvd_sgd.training.plan import global_batch, per_rank_batch
 
 RANKS = (2, 8, 64, 512)
 # Interconnects given by rate and per-message latency (typical figures, not measured here).
@@ -77,7 +78,7 @@ def allreduce_seconds(nbytes, ranks, latency, bandwidth, operations=1):
 def model_sizes(names):
     """Each built-in model's weights (4 bytes each to all-reduce), multiply-adds an example forward
     (its dense and convolution layers), and those two per such layer, first to last, at MNIST's shape."""
-    from hvd_sgd import models  # TensorFlow, in this process: only once the contenders are done
+    from hvd_sgd.training import models  # TensorFlow, in this process: only once the contenders are done
     sizes = {}
     for name in names:
         model = models.BUILT_IN[name]((28, 28, 1), 10)
@@ -127,7 +128,7 @@ def run(network, sizes):
     for link, row in network.items():
         for model, measured in model_rows(row).items():
             gradient_bytes, operations = 4 * sizes[model]["parameters"], row["ops_per_step"][model]
-            batch = contenders.GLOBAL_BATCH[model] // 2  # a rank's: 2 ranks, or 2 processes, of the global batch
+            batch = per_rank_batch(contenders.GLOBAL_BATCH[model], 2)  # a rank's: 2 ranks, or 2 processes, of the global batch
             compute = batch / (measured["independent_2x1"] / 2)  # seconds a rank's step computes
             reduce = allreduce_seconds(gradient_bytes, 2, **links[link], operations=operations)
             exposed, simulated_operations = overlapped_allreduce(sizes[model]["layers"], compute, 2, **links[link])
@@ -148,7 +149,7 @@ def run(network, sizes):
                                                                 operations=operations)
                         projection.append(dict(model=model, compute=device, interconnect=name, ranks=ranks,
                                                step_compute=step_compute, efficiency=step_compute / step,
-                                               epoch_seconds=contenders.EXAMPLES_PER_EPOCH / (ranks * batch) * step))
+                                               epoch_seconds=contenders.EXAMPLES_PER_EPOCH / global_batch(batch, ranks) * step))
     for v in validation:
         v["error"] = v["predicted"] / v["measured"] - 1
         v["overlapped_error"] = v["overlapped"] / v["measured"] - 1

@@ -1,8 +1,10 @@
 """A dated record of a bench run, and the README's results table made from it.
 
 ``python -m hvd_sgd.bench --record`` copies the run's results.md, results.json and plots into
-``benchmarks/<date>-<machine type>/`` with ``lscpu``'s output beside them, and, when the run has
-the suites the table reads (tta, scaling, peer), rewrites the README's table between its markers.
+``benchmarks/<date>-<suites>-<machine type>/`` (``default`` for the default suites) with
+``lscpu``'s output beside them, adds the record's line to the index (benchmarks/README.md), and,
+when the run has the suites the table reads (tta, scaling, peer), rewrites the README's table
+between its markers.
 """
 import datetime
 import glob
@@ -10,8 +12,11 @@ import os
 import shutil
 import subprocess
 
+from hvd_sgd.bench.suites import DEFAULT_SUITES
+
 TABLE_BEGIN, TABLE_END = "<!-- results table: written by python -m hvd_sgd.bench --record -->", "<!-- end of results table -->"
 TABLE_SUITES = ("tta", "scaling", "peer")
+INDEX_BEGIN, INDEX_END = "<!-- records: a line each, added by python -m hvd_sgd.bench --record -->", "<!-- end of records -->"
 
 
 def machine_type(cpuinfo="/proc/cpuinfo"):
@@ -36,9 +41,17 @@ def cpu_name(cpuinfo="/proc/cpuinfo"):
         return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "a CPU")
 
 
+def record_name(results, today=None):
+    """``<date>-<suites>-<machine type>``, ``-quick`` after a quick run: what ran, and where."""
+    suites = list(results["suites"])
+    what = "default" if suites == list(DEFAULT_SUITES) else "+".join(suites)
+    return f"{today or datetime.date.today().isoformat()}-{what}-{machine_type()}{'-quick' if results['quick'] else ''}"
+
+
 def write(results, results_dir, records_dir, today=None):
-    """The record's directory: the run's files and lscpu, under ``records_dir``."""
-    name = f"{today or datetime.date.today().isoformat()}-{machine_type()}{'-quick' if results['quick'] else ''}"
+    """The record's directory: the run's files and lscpu, under ``records_dir``, and its line in the
+    index, ``records_dir``/README.md, where that has one."""
+    name = record_name(results, today)
     directory = os.path.join(records_dir, name)
     suffix = 1
     while os.path.exists(directory):  # a second run the same day on the same type
@@ -51,7 +64,21 @@ def write(results, results_dir, records_dir, today=None):
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     with open(os.path.join(directory, "lscpu.txt"), "w") as f:
         f.write(lscpu)
+    _index(os.path.join(records_dir, "README.md"), f"- [{os.path.basename(directory)}]({os.path.basename(directory)}/results.md): "
+           f"`--suites {','.join(results['suites'])}`{' --quick' if results['quick'] else ''}, {cpu_name()}")
     return directory
+
+
+def _index(readme, line):
+    """``line`` added last to the index between its markers (none: nothing written)."""
+    if not os.path.exists(readme):
+        return
+    with open(readme) as f:
+        text = f.read()
+    if INDEX_END not in text:
+        return
+    with open(readme, "w") as f:
+        f.write(text.replace(INDEX_END, f"{line}\n{INDEX_END}"))
 
 
 def results_table(results, record):

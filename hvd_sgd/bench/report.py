@@ -45,7 +45,7 @@ def write(results, directory):
                            for name, value, minimum, passed in verdicts(results)]
     with open(os.path.join(directory, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
-    md = [f"# hvd_sgd benchmark ({'quick' if results['quick'] else 'full'})", "",
+    md = [f"# hvd_sgd benchmark: {', '.join(results['suites'])}{' (quick)' if results['quick'] else ''}", "",
           f"Machine: {results['machine']['cores']} cores, {results['machine']['platform']}. "
           f"Images per second are medians over {results['rounds']} round(s); "
           f"a ratio is the median of per-round ratios.", ""]

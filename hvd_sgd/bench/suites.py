@@ -6,7 +6,7 @@ import platform
 import statistics
 import sys
 
-from hvd_sgd import launchers
+from hvd_sgd.bench import launchers
 from hvd_sgd.bench import contenders, decomposition, layout
 
 SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "lever", "stacks", "network", "project", "input",
@@ -146,7 +146,7 @@ def input_suite(plan):
 
 def input_recipe(plan):
     """The default recipe on 2 ranks, 3 seeds, on Fashion-MNIST's arrays and on the same images
-    written as a JPEG folder tree (python -m hvd_sgd.datasets export); quick: a subset of MNIST, 1 seed."""
+    written as a JPEG folder tree (python -m hvd_sgd.data export); quick: a subset of MNIST, 1 seed."""
     import subprocess
     import tempfile
     dataset, subset = ("mnist", ["--train-examples", 4000, "--test-examples", 1000]) if plan.quick \
@@ -154,7 +154,7 @@ def input_recipe(plan):
     runs = {"arrays": [], "folder": []}
     with tempfile.TemporaryDirectory() as directory:
         folder = os.path.join(directory, "folder")
-        subprocess.run(list(map(str, [sys.executable, "-m", "hvd_sgd.datasets", "export", "--format", "folder",
+        subprocess.run(list(map(str, [sys.executable, "-m", "hvd_sgd.data", "export", "--format", "folder",
                                       "--from", dataset, *subset, folder])), check=True, stdout=subprocess.DEVNULL)
         epochs = ["--epochs", 1] if plan.quick else []
         for seed in (1,) if plan.quick else (1, 2, 3):

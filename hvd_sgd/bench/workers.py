@@ -12,9 +12,11 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from hvd_sgd import batches, config, datasets, models, schedules
-from hvd_sgd.plan import RunPlan
+from hvd_sgd import config
+from hvd_sgd.data import batches, datasets
+from hvd_sgd.training import models, schedules
 from hvd_sgd.bench import protocol
+from hvd_sgd.training.plan import RunPlan, epochs_covering, per_rank_batch
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -154,7 +156,7 @@ def allreduce(libraries, sizes, blocks):
 
 def _allreduce_loops(libraries):
     """The chains of ``libraries`` by name, the world's size, whether this is rank 0, and a broadcast from it."""
-    from hvd_sgd import startup
+    from hvd_sgd.runtime import startup
     world = startup.start(threads_per_rank=1)  # under mpirun, hvd.init on mpi4py's COMM_WORLD
     import horovod.tensorflow as hvd
 
@@ -197,21 +199,23 @@ def decompose(model_name, global_batch, steps, threads, blocks):
       optimizer's all-reduces, its loop's checks.
 
     The chief reports every rank's timestamps and fit's figures."""
-    from hvd_sgd import startup, train
+    from hvd_sgd import train
+    from hvd_sgd.runtime import jobs, startup
     import horovod.tensorflow as hvd
     per_block = max(5, steps // blocks)
     splits = datasets.load("mnist").subset(test_examples=500)  # fit evaluates after each block: briefly
-    cfg = config.TrainConfig(model=model_name, batch_size=global_batch // startup.launch_size(), seed=1,
-                             max_steps=per_block, epochs=-(-per_block * global_batch // splits.num_train),
+    cfg = config.TrainConfig(model=model_name, batch_size=per_rank_batch(global_batch, startup.launch_size()),
+                             seed=1, max_steps=per_block,
+                             epochs=epochs_covering(per_block, global_batch, splits.num_train),
                              threads_per_rank=threads, log_every_steps=10 ** 6)
-    job = train.start_job(cfg)
+    job = jobs.start(cfg.ranks)
     world = job.world
     plan = RunPlan.build(world_size=world.size, num_examples=splits.num_train, per_rank_batch=cfg.batch_size,
                          max_steps=(per_block + STEPS_TRACED) * blocks)
     loss = models.smoothed_cross_entropy(cfg.label_smoothing)
 
     def timed_step(together):
-        next_batch = batches.step_batches(splits, batches.rank_batch_indices(plan, world.rank, 1, 0), world.threads)
+        next_batch = splits.step_batches(batches.rank_batch_indices(plan, world.rank, 1, 0), world.threads)
         model = models.build(models.BUILT_IN[model_name], splits.input_shape, splits.num_classes, 1)
         optimizer = tf.keras.optimizers.SGD(cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)  # fit's, at a fixed rate
         optimizer.build(model.trainable_variables)
@@ -260,8 +264,8 @@ STEPS_TRACED = 10  # each timed step's first calls, untimed
 def image_sets(directory, examples, test_examples, size, colour):
     """The input suite's data: the first ``examples`` MNIST training images and ``test_examples`` test images,
     resized to ``size`` pixels square, in colour if ``colour``, as arrays in an .npz and as JPEG
-    image folders and TFRecord shards (hvd_sgd.convert), under ``directory``."""
-    from hvd_sgd import convert
+    image folders and TFRecord shards (hvd_sgd.data.convert), under ``directory``."""
+    from hvd_sgd.data import convert
     mnist = datasets.load("mnist").subset(examples, test_examples)
 
     def converted(images):
@@ -276,11 +280,11 @@ def image_sets(directory, examples, test_examples, size, colour):
 
 def decode(directory, threads):
     """Images per second that a tf.data pipeline of ``threads`` parallel calls reads and decodes
-    from the image folder under ``directory`` (hvd_sgd.streams), over its training set."""
-    from hvd_sgd import catalogs, streams
-    image_set = catalogs.open_set(os.path.join(directory, "folder"))
-    plan = RunPlan.build(world_size=1, num_examples=len(image_set.train), per_rank_batch=64, epochs=1)
-    next_batch = streams.step_batches(image_set, batches.rank_batch_indices(plan, 0, 1, 0), threads)
+    from the image folder under ``directory`` (streamed, as hvd_sgd.train streams it), over its training set."""
+    from hvd_sgd.data import sources
+    image_set = sources.read(config.TrainConfig(data_dir=os.path.join(directory, "folder")).data)
+    plan = RunPlan.build(world_size=1, num_examples=image_set.num_train, per_rank_batch=64, epochs=1)
+    next_batch = image_set.step_batches(batches.rank_batch_indices(plan, 0, 1, 0), threads)
     next_batch()  # the pipeline starts
     started = time.perf_counter()
     for _ in range(plan.total_steps - 1):
@@ -293,20 +297,21 @@ def evaluation(data, model_name, repeats):
     streamed) as hvd_sgd does, every rank its share (World.evaluate), and as rank 0 alone while the
     others wait, the two alternating, and each one's (correct, examples): run as the ranks of one
     job; the chief reports."""
-    from hvd_sgd import sources, startup
+    from hvd_sgd.data import sources
+    from hvd_sgd.runtime import startup
     world = startup.start()
     import horovod.tensorflow as hvd
     named = data in config.DATASETS  # read as hvd_sgd.train reads --dataset or --data-dir
-    data = sources.load(config.TrainConfig(**{"dataset" if named else "data_dir": data}), world.log)
+    data = sources.load(config.TrainConfig(**{"dataset" if named else "data_dir": data}).data, world)
     model = models.build(models.BUILT_IN[model_name], data.input_shape, data.num_classes, 1)
     hvd.broadcast_variables(model.variables, root_rank=0)
-    whole = batches.test_batches(data, threads=world.threads) if world.is_chief else []  # rank 0 alone: held
+    whole = data.test_batches(threads=world.threads) if world.is_chief else []  # rank 0 alone: held
     seconds, correct = {False: [], True: []}, {}
     for i in range(repeats + 1):  # the first round traces and warms up, and is not counted
         for together in ((False, True) if i % 2 == 0 else (True, False)):
             hvd.allreduce(tf.constant(0.0), name="evaluation_start")  # every rank starts together
             started = time.perf_counter()
-            shares = batches.test_batches(data, world.rank, world.size, world.threads) if together else whole
+            shares = data.test_batches(world.rank, world.size, world.threads) if together else whole
             result = world.evaluate(model, shares, lambda: None)  # returns on every rank at once
             if i:
                 seconds[together].append(time.perf_counter() - started)

@@ -1,0 +1,3 @@
+from hvd_sgd.data import datasets
+
+datasets.main()

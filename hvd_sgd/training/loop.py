@@ -1,0 +1,256 @@
+"""The training loop, its clock, and the elastic path that restarts it on another set of ranks."""
+import contextlib
+import dataclasses
+import math
+import time
+
+import tensorflow as tf
+
+from hvd_sgd import JobError
+from hvd_sgd.data import batches
+from hvd_sgd.runtime import cli
+from hvd_sgd.training import distributed, models, precision, schedules
+from hvd_sgd.training.plan import RunPlan
+
+
+@dataclasses.dataclass
+class State:
+    """What training changes, which every rank holds alike: broadcast at the start, checkpointed,
+    compared bit for bit at the end."""
+    model: tf.keras.Model
+    optimizer: tf.keras.optimizers.Optimizer
+    step: tf.Variable  # the global step: weight updates so far
+    schedule: schedules.WarmupCosine  # the optimizer's learning rate
+
+    @classmethod
+    def starting(cls, model, optimizer, schedule):
+        """The state before the first step."""
+        return cls(model, optimizer, tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step"), schedule)
+
+    def variables(self):
+        return distributed.tf_variables(self.model.variables + self.optimizer.variables
+                                        + precision.loss_scale_variables(self.optimizer)) + [self.step]
+
+    def follow(self, plan):
+        """The optimizer's learning rate becomes ``plan``'s schedule (before the step is traced)."""
+        self.schedule = self.optimizer.learning_rate = schedules.WarmupCosine.following(plan)
+
+
+class Trainer:
+    """The training loop, from the current global step to the plan's last, on the ranks of the moment."""
+
+    def __init__(self, job, plan, state, data, outputs, data_cfg, optimization, checkpointing):
+        """``data``: the data interface (hvd_sgd.data); ``outputs``: rank 0's files (training.outputs);
+        the rest, the configuration's sections the loop follows (hvd_sgd.config)."""
+        self.job, self.plan, self.state, self.data, self.outputs = job, plan, state, data, outputs
+        self.data_cfg, self.optimization, self.checkpointing = data_cfg, optimization, checkpointing
+        self.clock = StepClock()
+        self.evaluations = []  # (step, epoch, accuracy, time) of each, for the summary
+
+    def run(self, after_step=None):
+        """Train to the last step (or the target accuracy), calling ``after_step(n)`` after each; the
+        last test result (an evaluation of its own where no step was left)."""
+        world, plan, watchdog, seed = self.job.world, self.plan, self.job.watchdog, self.data_cfg.seed
+        target_accuracy, every = self.optimization.target_accuracy, self.checkpointing.checkpoint_every_steps
+        first = int(self.state.step.numpy())
+        indices, drawn = batches.rank_batches(plan, world.rank, seed, first,
+                                              self.data.input_shape[:2] if self.data_cfg.augment else None)
+        train_step = _make_train_step(self.state, plan.backward_passes,
+                                      models.smoothed_cross_entropy(self.optimization.label_smoothing),
+                                      self.data.step_batches(indices, world.threads, drawn))
+        self.clock.start(first)
+        result, next_check = None, first + 1
+        for row in indices:
+            with _named_by_this_rank(lambda: self.data.undecodable_train(row)):
+                loss, n = train_step()
+            n = int(n)  # the global step, as the step returns it: reading the variable would be an op more
+            watchdog.progress(n)
+            if after_step:
+                after_step(n)
+            self.clock.step_done(plan.global_batch)
+            last_step, epoch_end = n == plan.total_steps, n % plan.steps_per_epoch == 0
+            checkpoint_due = last_step or epoch_end or (every and n % every == 0)
+            if last_step or n % self.outputs.cfg.log_every_steps == 0:
+                self._log_progress(n, loss)
+            if last_step or epoch_end:
+                result = self._evaluate(n)
+            # The ranks compare stop requests after about 0.1 s of steps (an all-reduce of its own).
+            stop_now = False
+            if self.job.stop is not None and n >= next_check:
+                stop_now, steps_to_next = self.job.stop.agreed(self.clock.seconds_per_step())
+                next_check = n + steps_to_next
+            if checkpoint_due or stop_now:
+                self._save_checkpoint(n)
+            if stop_now:  # the all-reduced request: every rank stops after this same step
+                raise cli.Stopped(self._where_stopped(n))
+            if result and target_accuracy and result["accuracy"] >= target_accuracy:
+                world.log(f"Reached --target-accuracy {target_accuracy} at step {n}")
+                break  # every rank has the same result, so every rank stops here
+        return self.evaluate() if result is None else result  # None: resumed at the last step
+
+    def evaluate(self):
+        """The test result, the same on every rank. Every rank evaluates its own share of the test set,
+        taken anew for the ranks of the moment (elastic): 1/N of the time (docs/design.md, "Evaluation")."""
+        world = self.job.world
+        shares = self.data.test_batches(world.rank, world.size, world.threads)
+        with _named_by_this_rank(lambda: self.data.undecodable_test(world.rank, world.size)):
+            return world.evaluate(self.state.model, shares, self.job.watchdog.progress)
+
+    def _where_stopped(self, n):
+        stop, directory = self.job.stop, self.checkpointing.checkpoint_dir
+        how = f"on {stop.signal}" if stop.signal else "on a signal to another rank"
+        if not directory:
+            return f"stopped {how} at step {n}/{self.plan.total_steps}; no --checkpoint-dir, so nothing was saved"
+        return (f"stopped {how} at step {n}/{self.plan.total_steps}, checkpoint saved in {directory}: "
+                f"the same command with --resume continues")
+
+    def _log_progress(self, n, loss):
+        import horovod.tensorflow as hvd
+        loss = float(hvd.allreduce(loss))  # every rank takes part in the average
+        if precision.loss_scale(self.state.optimizer) is None:  # loss-scaled, an overflowing step is skipped
+            finite(loss, "loss", n)
+        rate, eta = self.clock.images_per_second(), self.clock.eta(n, self.plan.total_steps)
+        lr = float(self.state.schedule.at_step(n))
+        self.job.world.log(f"step {n}/{self.plan.total_steps}  epoch {self.plan.epoch(n):.2f}  loss {loss:.4f}  "
+                           f"lr {lr:.4g}  {rate:.0f} img/s  "
+                           f"elapsed {_minutes(self.clock.wall_seconds())}  ETA {_minutes(eta)}")
+        self.outputs.scalars(n, {"train/loss": loss, "train/images_per_second": rate})
+
+    def _evaluate(self, n):
+        world = self.job.world
+        with self.clock.paused():
+            world.average_statistics(self.state.model)  # what is tested, and every rank goes on with
+            result = self.evaluate()
+        self.evaluations.append(dict(step=n, epoch=self.plan.epoch(n), accuracy=result["accuracy"], time=time.time()))
+        world.log(f"epoch {self.plan.epoch(n):.2f}: test accuracy {result['accuracy']:.4f}  "
+                  f"test loss {result['loss']:.4f}")
+        self.outputs.scalars(n, {"test/accuracy": result["accuracy"], "test/loss": result["loss"]})
+        return result
+
+    def _save_checkpoint(self, n):
+        # Never checkpoint a diverged model.
+        finite(float(tf.linalg.global_norm(self.state.model.trainable_variables)), "weights' norm", n)
+        with self.clock.paused():
+            self.outputs.save_checkpoint(n)
+
+
+@contextlib.contextmanager
+def _named_by_this_rank(undecodable):
+    """A training or test image that does not read or decode (streamed data) is named by the rank that
+    found it, while the others wait for it in a collective: ``undecodable()`` names it, or None."""
+    try:
+        yield
+    except tf.errors.OpError:
+        found = undecodable()
+        if not found:  # not this rank's data (Horovod shut down after another rank failed, say)
+            raise
+        raise cli.RankError(found) from None
+
+
+def train_elastically(trainer, commit_every_steps):
+    """Workers may leave or join: Horovod rolls every rank back to the last commit, restarts the
+    loop with the new set of ranks, and broadcasts the committed state from the new rank 0.
+
+    Each (re)start plans anew for its ranks (global batch, peak rate), keeping the epoch's length
+    in steps from the job's first start: a worker that joins later, at another size, takes it from
+    rank 0 (it has not traced its training step yet)."""
+    import horovod.tensorflow as hvd
+    job, state = trainer.job, trainer.state
+    elastic = hvd.elastic.TensorFlowKerasState(state.model, state.optimizer, step=int(state.step.numpy()),
+                                               steps_per_epoch=trainer.plan.steps_per_epoch)
+
+    def commit(n):
+        elastic.step = n
+        if n % commit_every_steps == 0:
+            elastic.commit()
+
+    @hvd.elastic.run
+    def train(elastic):
+        state.step.assign(elastic.step)
+        trainer.plan = RunPlan.for_training(trainer.optimization, job.world.size, trainer.plan.num_examples,
+                                            steps_per_epoch=elastic.steps_per_epoch)
+        state.follow(trainer.plan)
+        job.world.check_identical(state.variables(), "after the (re)start")
+        job.world.log(f"hvd_sgd: elastic (re)start at step {elastic.step} with {job.world.size} rank(s)")
+        return trainer.run(commit)
+
+    return train(elastic)
+
+
+def _make_train_step(state, backward_passes, loss, next_batch):
+    """The compiled step, traced here, taking its batch itself: a tf.function binds and flattens
+    its arguments in Python at every call, which a short step notices (docs/design.md, "The step")."""
+    model, optimizer = state.model, state.optimizer
+
+    def train_step():
+        """The step's loss, and the global step after it."""
+        images, labels = next_batch()  # inside the graph: no Python hop per batch
+        losses = []
+        # One micro-batch per backward pass: the optimizer accumulates, then all-reduces and applies once.
+        for micro_images, micro_labels in zip(tf.split(images, backward_passes), tf.split(labels, backward_passes)):
+            with tf.GradientTape() as tape:
+                losses.append(loss(micro_labels, model(micro_images, training=True)))
+            optimizer.minimize(losses[-1], model.trainable_variables, tape=tape)
+        return tf.add_n(losses) / backward_passes, state.step.assign_add(1)
+
+    return tf.function(train_step).get_concrete_function()
+
+
+def finite(value, what, step):
+    """Divergence check. Every rank sees the same value (an all-reduced loss, or identical
+    weights), so every rank stops at the same step, and the last checkpoint stays the last good one."""
+    if not math.isfinite(value):
+        raise JobError(f"the {what} is {value} at step {step}: training diverged (try a lower --lr); "
+                       f"no checkpoint was written from this step on")
+    return value
+
+
+def _minutes(seconds):
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+class StepClock:
+    """Training throughput and progress times.
+
+    Throughput counts from the end of the first step (which traces the graph) to the end of the
+    latest one, and leaves out what runs inside ``paused()``: evaluations, checkpoints."""
+
+    def __init__(self):
+        self.created = time.perf_counter()
+        self.images, self.seconds, self.timed_steps = 0, 0.0, 0
+        self.last = self.first_step_at = None
+        self.first_step = self.steps = 0
+
+    def start(self, step):
+        """A (re)start of the loop at global ``step``; its first step traces and is not timed."""
+        self.last, self.first_step, self.steps = None, step, 0
+        self.started = time.perf_counter()
+
+    def step_done(self, images):
+        now = time.perf_counter()
+        self.first_step_at = self.first_step_at or time.time()  # the first step traces the graph
+        if self.last is not None:
+            self.images += images
+            self.seconds += now - self.last
+            self.timed_steps += 1
+        self.last = now
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def paused(self):
+        yield
+        self.last = time.perf_counter()
+
+    def images_per_second(self):
+        return self.images / self.seconds if self.seconds > 0 else 0.0
+
+    def seconds_per_step(self):
+        """The mean of the timed steps; 0 before the first."""
+        return self.seconds / self.timed_steps if self.timed_steps else 0.0
+
+    def wall_seconds(self):
+        return time.perf_counter() - self.created
+
+    def eta(self, step, total_steps):
+        """Seconds left at the pace of this loop so far, evaluations included."""
+        return (time.perf_counter() - self.started) / max(1, self.steps) * (total_steps - step)
