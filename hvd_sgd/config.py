@@ -119,10 +119,13 @@ class Numerics:
                                        "float16 with dynamic loss scaling, every rank skipping a step that "
                                        "overflows on any, for older GPUs (logits, loss and the saved model stay "
                                        "float32)", choices=("float32", "mixed_bfloat16", "mixed_float16"))
+    force_precision: bool = option(False, "train in --precision mixed_float16 even on a CPU that has no float16 "
+                                          "arithmetic (many times slower than float32: refused without this)")
     fp16_allreduce: bool = option(False, "compress gradients to float16 for the all-reduce")
 
     def validate(self):
-        """Nothing to check here: the precision is one of the flag's choices."""
+        """Nothing to check here: the precision is one of the flag's choices; the CPU is checked at
+        the start (training.precision.check)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,12 +150,27 @@ class Outputs:
                                              "format), loadable by plain TensorFlow")
     metrics_file: Optional[str] = option(None, "write a JSON summary of the run here (accuracy, throughput, ...)")
     log_dir: Optional[str] = option(None, "write TensorBoard logs here")
-    log_every_steps: int = option(50, "average the loss over all ranks and report it every N steps")
+    log_every_steps: int = option(50, "report the loss averaged over the ranks, and where the steps' time went on "
+                                      "each rank, every N steps")
+
+    timeline: Optional[str] = option(None, "write Horovod's timeline (every rank's collectives, written by rank 0) to "
+                                           "this JSON file for --timeline-steps only; open it in ui.perfetto.dev or "
+                                           "chrome://tracing")
+    timeline_steps: str = option("2:21", "the global steps FIRST:LAST that --timeline records, the run's last step "
+                                         "at most (step 1 traces the graph)")
 
     def validate(self):
         _positive(self, "log_every_steps")
         if self.save_model is not None and not self.save_model.endswith((".keras", ".h5")):
             raise JobError(f"--save-model {self.save_model}: name a .keras file (or .h5, Keras' legacy format)")
+        self.timeline_window()
+
+    def timeline_window(self):
+        """--timeline-steps as (first, last)."""
+        first, colon, last = self.timeline_steps.partition(":")
+        if not (colon and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+            raise JobError(f"--timeline-steps {self.timeline_steps}: FIRST:LAST, two steps with 1 <= FIRST <= LAST")
+        return int(first), int(last)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +187,14 @@ class Ranks:
     commit_every_steps: int = option(10, "with --elastic, commit the state in memory every N steps (what a lost "
                                          "worker costs at most)")
 
+    slow_rank_lag: float = option(1.0, "name the rank whose input and compute take longest, with its host, when "
+                                       "they exceed the other ranks' median by more than this fraction over a "
+                                       "--log-every-steps interval (1: twice as long; every rank waits for it); "
+                                       "0 = never")
+
     def validate(self):
         _positive(self, "commit_every_steps")
-        _not_negative(self, "threads_per_rank")
+        _not_negative(self, "threads_per_rank", "slow_rank_lag")
         _positive_number(self, "stall_timeout")
 
 

@@ -29,7 +29,7 @@ LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 def main(argv=None):
     cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=startup.is_chief(), module="hvd_sgd.train")
-    job = jobs.start(cfg.ranks)
+    job = jobs.start(cfg.ranks, timeline=bool(cfg.timeline))
     with job.together():  # a rank that cannot read the data, or import the model, stops them all
         with job.watchdog.file_work(sources.location(cfg.data)):  # slow reads are no stall
             data = sources.load(cfg.data, job.world, cfg.elastic)
@@ -41,7 +41,7 @@ def fit(model_fn, data, cfg=config.TrainConfig(), job=None):
     """Train ``model_fn(input_shape, num_classes)`` on ``data`` (hvd_sgd.data) as ``cfg`` says, on every rank;
     the run's summary (``--metrics-file``). "Horovod:" marks the data-parallel recipe's steps."""
     # 1. Horovod: start it (unless the caller has): one GPU per rank by local rank, its share of the cores.
-    job = job or jobs.start(cfg.ranks)
+    job = job or jobs.start(cfg.ranks, timeline=bool(cfg.timeline))
     world, started = job.world, dict(job.world.started, data=time.time())  # start-up's phases, for the summary
     import horovod.tensorflow as hvd  # its extension loads: jobs.start checked it does
 
@@ -49,7 +49,8 @@ def fit(model_fn, data, cfg=config.TrainConfig(), job=None):
     outputs = Outputs(cfg.outputs, cfg.checkpointing, world, job.watchdog)
     with job.together():
         plan = RunPlan.for_training(cfg.optimization, world.size, data.num_train)
-        outputs.check()
+        outputs.check(plan)
+        precision.check(cfg.numerics, world.device, precision.cpu_flags(), world.log)
         _check_elastic(cfg.elastic)
     world.log(f"hvd_sgd: {world.size} rank(s) on {world.device}, {world.threads} thread(s) each, "
               f"model {getattr(model_fn, '__name__', cfg.model)}; {plan.describe()}")
@@ -83,7 +84,7 @@ def fit(model_fn, data, cfg=config.TrainConfig(), job=None):
     started["model"] = time.time()
 
     # 6. Train, in a data order of (seed, epoch, global batch) alone: a resumed run sees the same batches.
-    trainer = loop.Trainer(job, plan, state, data, outputs, cfg.data, cfg.optimization, cfg.checkpointing)
+    trainer = loop.Trainer(job, plan, state, data, outputs, cfg.data, cfg.optimization, cfg.checkpointing, cfg.ranks)
     result = loop.train_elastically(trainer, cfg.commit_every_steps) if cfg.elastic else trainer.run()
     started.update(first_step=trainer.clock.first_step_at, training=time.time())
 

@@ -190,6 +190,8 @@ def test_the_input_and_precision_suites_report_each_source_and_precision(tmp_pat
     throughput, recipe = suites["precision"]["throughput"], suites["precision"]["recipe"]
     assert set(throughput) == {"cnn np1", "cnn np2"} and all(r["ratio"] > 0 for r in throughput.values())
     assert set(recipe) == {f"mnist {p}" for p in ("float32", "mixed_bfloat16")}
+    float16 = suites["precision"]["float16"]  # forced: hvd_sgd refuses it on a CPU without float16 arithmetic
+    assert min(float16["float32"], float16["mixed_float16"]) > 0 and float16["slowdown"] > 0
     assert all(0.1 < run["accuracy"] <= 1 for runs in recipe.values() for run in runs)
     text = (tmp_path / "results.md").read_text()
     assert "## input" in text and "## precision" in text and "streamed classic CNN 64x64x3, folder" in text

@@ -200,7 +200,7 @@ def test_a_stalled_rank_on_the_other_node_is_named_with_its_host(cluster, shared
 
 def test_a_checkpoint_directory_in_use_on_one_node_is_refused_on_the_other(cluster, shared):
     checkpoints = shared / "ckpt"
-    holder = on_node(cluster, "node1", [PYTHON, "-c", "import sys, time; from hvd_sgd import checkpoint; "
+    holder = on_node(cluster, "node1", [PYTHON, "-c", "import sys, time; from hvd_sgd.training import checkpoint; "
                                         "checkpoint.lock_directory(sys.argv[1], 'test'); print('locked', flush=True); "
                                         "time.sleep(300)", checkpoints], stdout=subprocess.PIPE)
     try:

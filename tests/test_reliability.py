@@ -3,9 +3,11 @@
 Each bad input must give one line naming the problem, from one rank; a non-zero exit on every
 rank; no hang; and no output left behind that looks valid."""
 import os
+import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -130,13 +132,18 @@ def start_and_wait_for(launcher_name, args, ready, timeout=120):
     return start_and_wait(launchers.command(launcher_name, 2, "hvd_sgd.train", args), ready, timeout)
 
 
-def assert_ends_naming(run, rank, stopped_at, stall_timeout):
-    """The job ends, failed, within ``stall_timeout`` + 15 s of ``rank``'s freeze at ``stopped_at``,
-    with one line naming that rank and its host."""
+def assert_ends_naming(run, rank, stopped_at, stall_timeout, waiting_in):
+    """The job ends, failed, within ``stall_timeout`` + 15 s of ``rank``'s freeze (SIGSTOP) at
+    ``stopped_at``, with one line naming that rank, its host, its stopped process, and the file of
+    the other rank's Python stacks, which shows it waiting in ``waiting_in`` (a function)."""
     status, stdout, stderr = ended_within(run, 60)
     assert status != 0 and time.monotonic() - stopped_at < stall_timeout + 15
     lines = [line for line in output_lines(stderr) if "hvd_sgd" in line]
     assert len(lines) == 1 and f"rank(s) {rank} ({os.uname().nodename}) stopped responding" in lines[0], stderr[-3000:]
+    assert f"the process of rank(s) {rank} is stopped" in lines[0] and f"(none from rank(s) {rank})" in lines[0]
+    stacks = Path(re.search(r"Python stacks in (\S+)", lines[0]).group(1))
+    waiting = (stacks / f"rank-{1 - rank}.txt").read_text()
+    assert f"rank {1 - rank} of 2" in waiting and f"in {waiting_in}" in waiting, waiting
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
@@ -165,7 +172,7 @@ def test_stalled_rank_ends_the_job_naming_it(tmp_path):
                                         "--checkpoint-dir", checkpoints],
                              checkpoint_from_step(checkpoints, 100))
     rank_process(psutil.Process(run.pid), 1).send_signal(signal.SIGSTOP)
-    assert_ends_naming(run, 1, time.monotonic(), stall_timeout)
+    assert_ends_naming(run, 1, time.monotonic(), stall_timeout, waiting_in="_steps")
 
 
 def test_a_suspended_job_goes_on_when_resumed(tmp_path):
@@ -226,7 +233,7 @@ def test_evaluating_longer_than_the_stall_timeout_is_no_stall_but_freezing_then_
         "--stall-timeout", stall_timeout]), lambda: batches() > 10, timeout=180,  # 5 batches a rank each time
         env=launchers.environment(PYTHONPATH=str(tmp_path), EVALUATED=str(evaluated)))
     frozen(rank_process(psutil.Process(run.pid), 0))  # in its second evaluation: the first one passed
-    assert_ends_naming(run, 0, time.monotonic(), stall_timeout)
+    assert_ends_naming(run, 0, time.monotonic(), stall_timeout, waiting_in="evaluate")
 
 
 class SlowFileSystem:
@@ -534,7 +541,7 @@ def test_a_killed_runs_lock_goes_with_it(tmp_path):
 
 def test_the_tf1_program_refuses_a_checkpoint_directory_in_use(tmp_path):
     checkpoints = tmp_path / "ckpt"
-    holder = subprocess.Popen([PYTHON, "-c", "import sys, time; from hvd_sgd import checkpoint; "
+    holder = subprocess.Popen([PYTHON, "-c", "import sys, time; from hvd_sgd.training import checkpoint; "
                                "checkpoint.lock_directory(sys.argv[1], 'test'); print('locked', flush=True); time.sleep(300)",
                                str(checkpoints)], stdout=subprocess.PIPE, text=True)
     try:

@@ -68,7 +68,7 @@ def test_elastic_mode_is_refused_in_one_line_on_the_current_stack(tiny_run):
 def test_the_keras_3_wrapper_refuses_what_would_not_average(optimizer, expected):
     """Under Keras 3 a Horovod-wrapped optimizer would apply each rank's own gradient, and Keras
     would clip before the all-reduce: hvd_sgd's wrapper refuses both, in one line."""
-    code = (f"import tensorflow as tf, horovod.tensorflow as hvd\nfrom hvd_sgd import distributed\n"
+    code = (f"import tensorflow as tf, horovod.tensorflow as hvd\nfrom hvd_sgd.training import distributed\n"
             f"distributed.DistributedOptimizer({optimizer}, hvd.Compression.none)")
     result = subprocess.run([PYTHON, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and expected in result.stderr.splitlines()[-1], result.stderr[-2000:]

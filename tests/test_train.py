@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 from conftest import (PYTHON, ROOT, STACK, assert_same_weights, error_lines, launch, max_difference, output_lines,
@@ -29,21 +30,38 @@ def test_every_launcher_trains_and_ranks_end_identical(launcher, np_, tmp_path, 
 
 def test_throughput_counts_the_training_steps_only(monkeypatch):
     """Not the first step (it traces), nor evaluations, nor what happens after the last step."""
-    from hvd_sgd.training import loop
+    from hvd_sgd.training import progress
     now = [0.0]
-    monkeypatch.setattr(loop.time, "perf_counter", lambda: now[0])
-    clock = loop.StepClock()
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    clock = progress.StepClock()
     clock.start(0)
     for seconds in (5.0, 1.5):
         now[0] += seconds
-        clock.step_done(images=100)
+        clock.step_done(100, (now[0] - 1, now[0] - 1, now[0], now[0]))
     with clock.paused():
         now[0] += 30.0  # an evaluation
     now[0] += 0.5
-    clock.step_done(images=100)
+    clock.step_done(100, (now[0] - 0.5, now[0] - 0.5, now[0], now[0]))
     now[0] += 60.0  # tearing down the input pipeline, writing the model
     assert clock.images_per_second() == 2 * 100 / 2.0
     assert clock.wall_seconds() == 97.0
+
+
+def test_a_steps_parts_are_its_times_differences_and_the_loops_is_between_steps():
+    """input, compute, all-reduce from the step's own times; the loop's from the last step's end to
+    this one's start, but not across a pause (an evaluation is not the loop's)."""
+    from hvd_sgd.training import progress
+    clock = progress.StepClock()
+    clock.start(0)
+    clock.step_done(64, (0.0, 0.1, 5.0, 5.2))  # the first step traces: not counted
+    clock.step_done(64, (5.3, 5.35, 5.75, 5.85))
+    clock.step_done(64, (5.95, 6.0, 6.3, 6.45))
+    np.testing.assert_allclose(clock.take_parts(), [0.05, 0.35, 0.125, 0.1])  # seconds a step
+    with clock.paused():
+        pass
+    clock.step_done(64, (100.0, 100.1, 100.5, 100.6))
+    np.testing.assert_allclose(clock.take_parts(), [0.1, 0.4, 0.1, 0.0])
+    np.testing.assert_allclose(clock.take_parts(), [0.0, 0.0, 0.0, 0.0])
 
 
 PLACEMENT = r"""

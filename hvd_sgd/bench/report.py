@@ -257,6 +257,11 @@ def _precision_tables(rows):
     md += [f"| {name} | {r['float32']:.0f} | {r['mixed_bfloat16']:.0f} | {r['ratio']:.2f} | "
            f"{', '.join(f'{b / f:.2f}' for b, f in zip(r['rounds']['mixed_bfloat16'], r['rounds']['float32']))} |"
            for name, r in rows["throughput"].items()]
+    if "float16" in rows:
+        f16 = rows["float16"]
+        md += ["", f"mixed_float16 (forced), `cnn` on 2 ranks: {f16['mixed_float16']:.0f} img/s against float32's "
+                   f"{f16['float32']:.0f}: float32 / mixed_float16 = **{f16['slowdown']:.1f}** (per round: "
+                   f"{', '.join(f'{f / h:.1f}' for f, h in zip(f16['rounds']['float32'], f16['rounds']['mixed_float16']))})."]
     md += ["", "The default recipe on 2 ranks: test accuracy by seed, and seconds from the command to 0.99.", "",
            "| data and precision | accuracy | to 0.99, s |", "| --- | --- | --- |"]
     for name, runs in rows["recipe"].items():

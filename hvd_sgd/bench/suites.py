@@ -182,16 +182,28 @@ def layout_suite(plan):
 
 PRECISION_MODELS = ("cnn", "classic_cnn", "resnet20")
 PRECISIONS = ("float32", "mixed_bfloat16")
+# mixed_float16 against float32 on 2 ranks, the default model: steps a run (quick, full). Without float16
+# arithmetic a step takes tens of times float32's, so fewer steps.
+FLOAT16_STEPS = {True: 10, False: 40}
 
 
 def precision_suite(plan):
     """float32 against mixed_bfloat16: each model's throughput on 1 and 2 ranks, the two alternating
-    round by round; then the default recipe's accuracy on MNIST and Fashion-MNIST in each (3 seeds;
-    with --quick 1, on a subset of MNIST), with its time to 0.99 on MNIST; and the CPU's bfloat16
-    features."""
+    round by round; float32 against mixed_float16 (what hvd_sgd refuses on a CPU without float16
+    arithmetic unless forced), the default model on 2 ranks; then the default recipe's accuracy on
+    MNIST and Fashion-MNIST in each (3 seeds; with --quick 1, on a subset of MNIST), with its time to
+    0.99 on MNIST; and the CPU's 16-bit features."""
     flags = set(open("/proc/cpuinfo").read().split())
-    rows = dict(cpu=sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "avx512f", "avx2"}),
-                throughput={}, recipe={})
+    rows = dict(cpu=sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "amx_fp16", "avx512f",
+                                    "avx2"}), throughput={}, recipe={})
+    runs = {"float32": [], "mixed_float16": []}
+    for i in range(plan.rounds):
+        for p in (runs if i % 2 == 0 else list(runs)[::-1]):
+            runs[p].append(contenders.hvd_sgd_throughput(2, "cnn", FLOAT16_STEPS[plan.quick],
+                                                         extra=("--precision", p, "--force-precision")))
+    rows["float16"] = dict(**{p: statistics.median(v) for p, v in runs.items()}, rounds=runs,
+                           slowdown=statistics.median(f / h for f, h in zip(runs["float32"], runs["mixed_float16"])))
+    print(f"   cnn np2 float32 / mixed_float16: {rows['float16']['slowdown']:.1f}", flush=True)
     for model in PRECISION_MODELS[:1] if plan.quick else PRECISION_MODELS:
         for np_ in (1, 2):
             runs = {p: [] for p in PRECISIONS}

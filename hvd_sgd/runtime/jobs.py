@@ -27,12 +27,14 @@ class Job:
         return contextlib.nullcontext() if self.elastic else self.world.agreement()
 
 
-def start(ranks):
-    """The job as the configuration's ``ranks`` section says: from here on a signal stops every rank
+def start(ranks, timeline=False):
+    """The job as the configuration's ``ranks`` section says (and Horovod's timeline ready to record,
+    if ``timeline``): from here on a signal stops every rank
     after the same step, with a checkpoint of it (elastic mode: a signalled worker is a lost one, and
     the others go on); Horovod starts; a frozen rank, or a hung file system, ends the job. hvd_sgd's
     watchdog, not Horovod's stall check, watches for stalls; elastic mode runs none (Horovod handles
     lost workers) and keeps Horovod's check."""
     stop = None if ranks.elastic else preemption.listen(ranks.stall_timeout)
-    world = startup.start(ranks.threads_per_rank, ranks.stall_timeout if ranks.elastic else None, ranks.bind_cpus)
+    world = startup.start(ranks.threads_per_rank, ranks.stall_timeout if ranks.elastic else None, ranks.bind_cpus,
+                          timeline)
     return Job(world, Watchdog(world, None if ranks.elastic else ranks.stall_timeout).start(), stop, ranks.elastic)

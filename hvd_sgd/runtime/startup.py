@@ -91,14 +91,15 @@ def check_mpi():
                        f"run/setup builds for the MPI on the PATH")
 
 
-def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
+def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True, timeline=False):
     """hvd.init, then pin this rank to one GPU (by local rank) and to its share of the CPU cores.
 
     Horovod's stall check is set to shut the job down, not only warn, after ``stall_timeout``
     seconds in which the ranks submitted different collectives. ``stall_timeout`` None: the
     caller's watchdog watches for stalls, and Horovod's check is off, since it would also end a
     job whose rank 0 writes a checkpoint alone for that long, or that was suspended. The user's
-    HOROVOD_STALL_* settings win either way.
+    HOROVOD_STALL_* settings win either way. ``timeline``: Horovod's timeline can be started and
+    stopped while the job runs (hvd.start_timeline), which every rank must allow before hvd.init.
     """
     imported = time.time()  # Python, TensorFlow, Horovod and the arguments: before this
     check_versions()
@@ -107,6 +108,11 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True):
         os.environ.update({"HOROVOD_STALL_CHECK_DISABLE": "1"} if stall_timeout is None else {
             "HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, int(stall_timeout) // 2)),
             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(max(1, int(stall_timeout)))})
+    if timeline:
+        if os.environ.get("HOROVOD_TIMELINE", "DYNAMIC") != "DYNAMIC":
+            raise JobError(f"--timeline: HOROVOD_TIMELINE={os.environ['HOROVOD_TIMELINE']} is set too, which records "
+                           f"the whole run: unset it")
+        os.environ["HOROVOD_TIMELINE"] = "DYNAMIC"
     yield_when_idle()
     os.environ.setdefault("HOROVOD_CYCLE_TIME", _cycle_time_ms())
     # Read when TensorFlow creates its CPU device, after this. Its default CPU allocator hands large

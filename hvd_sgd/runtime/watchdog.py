@@ -10,9 +10,11 @@ for that rank too. So each rank runs a thread that
   sees (see ``heartbeat_root``);
 - watches: when its rank has made no progress for ``timeout`` seconds, nor rank 0 (which writes
   checkpoints alone while the others wait for it), it names the ranks whose heartbeat
-  stopped (a frozen process stops beating), or else those stuck in their files (a hung file
-  system), and their hosts, prints one line (the lowest live rank does), and exits the process
-  with status 1, which makes the launcher end the job;
+  stopped (a frozen process stops beating; a stopped one is said to be), or else those stuck in
+  their files (a hung file system), and their hosts, prints one line (the lowest live rank does),
+  and exits the process with status 1, which makes the launcher end the job. Before that every
+  live rank writes all its threads' Python stacks to a file of the job's stacks directory, which
+  the line names: where each rank was waiting;
 - listens: every beat, each rank and rank 0 send each other a datagram (``_Link``). A node cut off
   from the network stops them at once, long before a stalled step says so: after
   ``unreachable_after()`` seconds of silence, rank 0 names the ranks it lost and their hosts, and a
@@ -21,6 +23,7 @@ for that rank too. So each rank runs a thread that
 import atexit
 import collections
 import contextlib
+import faulthandler
 import glob
 import os
 import secrets
@@ -40,10 +43,13 @@ UNREACHABLE_SECONDS, UNREACHABLE_SECONDS_UNDER_MPIRUN = 15, 40
 # ``Watchdog.file_work`` counts as progress (one read of the whole file moves it once, at the end).
 READ_CHUNK = 8 << 20
 STALE_SECONDS = 24 * 3600  # a live job's heartbeat directory changes every second
+# How long the reporting rank waits for the other live ranks' stacks: they look for the request at
+# every beat.
+STACKS_WAIT_SECONDS = 3 * BEAT_SECONDS
 
 # A rank's heartbeat as another rank reads it: its age, the seconds that rank had then gone without
-# progress, its host, and the files it was working in ("" if none).
-Beat = collections.namedtuple("Beat", "age idle host working_in")
+# progress, its host and process, and the files it was working in ("" if none).
+Beat = collections.namedtuple("Beat", "age idle host pid working_in")
 
 
 def heartbeat_root():
@@ -63,9 +69,9 @@ def heartbeat_root():
 
 
 def remove_stale_heartbeats(root):
-    """The heartbeat directories in ``root`` that have not changed for STALE_SECONDS: jobs that
-    ended without removing theirs (a killed rank, a watchdog's own exit)."""
-    for path in glob.glob(os.path.join(root, "hvd_sgd-heartbeat-*")):
+    """The heartbeat and stacks directories in ``root`` that have not changed for STALE_SECONDS: jobs
+    that ended without removing theirs (a killed rank, a watchdog's own exit), and stacks read since."""
+    for path in glob.glob(os.path.join(root, "hvd_sgd-heartbeat-*")) + glob.glob(os.path.join(root, "hvd_sgd-stacks-*")):
         try:
             if time.time() - os.path.getmtime(path) > STALE_SECONDS:
                 shutil.rmtree(path, ignore_errors=True)
@@ -94,6 +100,8 @@ class Watchdog:
             if self.rank == 0:  # one rank sweeps up after killed jobs (their atexit never ran)
                 remove_stale_heartbeats(root)
             self.directory = os.path.join(root, f"hvd_sgd-heartbeat-{job}")
+            # Beside it, kept after the job (the heartbeats go at exit): where a stalled job's stacks go.
+            self.stacks_directory = os.path.join(root, f"hvd_sgd-stacks-{job}")
             os.makedirs(self.directory, exist_ok=True)
             self._beat()  # at once: a rank frozen before its thread's first beat is still named with its host
             atexit.register(shutil.rmtree, self.directory, ignore_errors=True)
@@ -137,6 +145,8 @@ class Watchdog:
             if path is not None and (state := _file_state(path)) != self.file_state:
                 self.file_state, self.last_progress = state, woke
             self._beat()
+            if os.path.exists(os.path.join(self.directory, "reported")):  # a stalled job's end: where is this rank?
+                self._write_stacks()
             if self.link:
                 self.link.exchange()
                 lost = self.link.silent_for(unreachable_after(), woke)
@@ -149,7 +159,8 @@ class Watchdog:
         path = os.path.join(self.directory, f"rank-{self.rank}")
         try:
             with open(path + ".tmp", "w") as f:
-                f.write(f"{self.step} {time.monotonic() - self.last_progress:.1f} {self.host} {self.working_in or ''}")
+                f.write(f"{self.step} {time.monotonic() - self.last_progress:.1f} {self.host} {os.getpid()} "
+                        f"{self.working_in or ''}")
             os.replace(path + ".tmp", path)
         except OSError:
             pass  # the directory went away at the end of the job
@@ -160,8 +171,8 @@ class Watchdog:
         try:
             age = time.time() - os.path.getmtime(path)
             with open(path) as f:
-                _, idle, host, *working_in = f.read().split(" ", 3)
-            return Beat(age, float(idle), host, "".join(working_in))
+                _, idle, host, pid, *working_in = f.read().split(" ", 4)
+            return Beat(age, float(idle), host, int(pid), "".join(working_in))
         except (OSError, ValueError):
             return None
 
@@ -180,14 +191,17 @@ class Watchdog:
             return False
 
     def _fire(self):
-        frozen, stuck = {}, {}  # rank: host; files: ["rank (host)", ...]
+        frozen, stopped, stuck = {}, [], {}  # rank: host; ranks whose process is stopped; files: ["rank (host)", ...]
         for rank in range(self.size):
             beat = self._heartbeat(rank)
             if beat is None or beat.age > max(3 * BEAT_SECONDS, self.timeout / 4):
                 frozen[rank] = beat.host if beat else "host unknown"
+                if beat and beat.host == self.host and _stopped(beat.pid):
+                    stopped.append(str(rank))
             elif beat.working_in:
                 stuck.setdefault(beat.working_in, []).append(f"{rank} ({beat.host})")
         alive = [r for r in range(self.size) if r not in frozen]
+        self._write_stacks()
         # The lowest live rank reports, unless a rank has reported already: it exits at once, and to
         # a rank that fires seconds later (it began waiting later) it looks frozen. A rank that was
         # itself frozen (its own heartbeat is stale) and is woken by the launcher's SIGCONT before
@@ -195,17 +209,41 @@ class Watchdog:
         if alive and self.rank == alive[0] and self._first_to_report():
             if frozen:
                 who = f"rank(s) {', '.join(f'{r} ({host})' for r, host in frozen.items())} stopped responding"
+                if stopped:
+                    who += f" (the process of rank(s) {', '.join(stopped)} is stopped: SIGSTOP, a debugger)"
             elif stuck:
                 who = "; ".join(f"rank(s) {', '.join(ranks)} stuck in {files}" for files, ranks in stuck.items())
                 who += " (a hung file system?)"
             else:
                 who = "no rank stopped responding, but a collective operation is blocked"
             sys.stderr.write(f"hvd_sgd: error: no training step finished for {self.timeout:.0f} s after step "
-                             f"{self.step}: {who}; ending the job (--stall-timeout)\n")
+                             f"{self.step}: {who}; ending the job (--stall-timeout); {self._stacks_written(alive)}\n")
             sys.stderr.flush()
         else:
             time.sleep(2)  # let the reporting rank speak before the launcher tears the job down
         os._exit(1)
+
+    def _write_stacks(self):
+        """All this process's threads' Python stacks, once, into the job's stacks directory."""
+        path = os.path.join(self.stacks_directory, f"rank-{self.rank}.txt")
+        with contextlib.suppress(OSError):  # a directory this node cannot write: the line says whose are missing
+            os.makedirs(self.stacks_directory, exist_ok=True)
+            with open(path, "x") as f:
+                f.write(f"rank {self.rank} of {self.size}, host {self.host}, pid {os.getpid()}, after step {self.step}, "
+                        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+
+    def _stacks_written(self, alive):
+        """The reporting rank's words on the stacks: where they are, whose are missing. The other live
+        ranks see the report (its file) at their next beat and write theirs."""
+        deadline = time.monotonic() + STACKS_WAIT_SECONDS
+        written = lambda: {r for r in alive if os.path.exists(os.path.join(self.stacks_directory, f"rank-{r}.txt"))}
+        while written() != set(alive) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        missing = sorted(set(range(self.size)) - written())
+        return f"Python stacks in {self.stacks_directory}" + (
+            f" (none from rank(s) {', '.join(map(str, missing))})" if missing else "")
 
 
     def _fire_unreachable(self, lost):
@@ -218,6 +256,15 @@ class Watchdog:
                              f"network, or a frozen process); ending the job\n")
             sys.stderr.flush()
         os._exit(1)
+
+
+def _stopped(pid):
+    """Whether process ``pid`` of this host is stopped (its state T, or t under a tracer)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def unreachable_after():

@@ -23,8 +23,12 @@ def parent(path):
 
 
 def write_json(path, record):
+    write_text(path, json.dumps(record, indent=2))
+
+
+def write_text(path, text):
     """Written under a temporary name, then renamed: a reader never sees half a file."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(record, f, indent=2)
+        f.write(text)
     os.replace(tmp, path)

@@ -1,16 +1,15 @@
 """The training loop, its clock, and the elastic path that restarts it on another set of ranks."""
 import contextlib
 import dataclasses
-import math
 import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError
 from hvd_sgd.data import batches
 from hvd_sgd.runtime import cli
 from hvd_sgd.training import distributed, models, precision, schedules
 from hvd_sgd.training.plan import RunPlan
+from hvd_sgd.training.progress import Progress, StepClock, finite
 
 
 @dataclasses.dataclass
@@ -39,19 +38,18 @@ class State:
 class Trainer:
     """The training loop, from the current global step to the plan's last, on the ranks of the moment."""
 
-    def __init__(self, job, plan, state, data, outputs, data_cfg, optimization, checkpointing):
+    def __init__(self, job, plan, state, data, outputs, data_cfg, optimization, checkpointing, ranks):
         """``data``: the data interface (hvd_sgd.data); ``outputs``: rank 0's files (training.outputs);
         the rest, the configuration's sections the loop follows (hvd_sgd.config)."""
         self.job, self.plan, self.state, self.data, self.outputs = job, plan, state, data, outputs
-        self.data_cfg, self.optimization, self.checkpointing = data_cfg, optimization, checkpointing
+        self.data_cfg, self.optimization, self.checkpointing, self.ranks = data_cfg, optimization, checkpointing, ranks
         self.clock = StepClock()
         self.evaluations = []  # (step, epoch, accuracy, time) of each, for the summary
 
     def run(self, after_step=None):
         """Train to the last step (or the target accuracy), calling ``after_step(n)`` after each; the
         last test result (an evaluation of its own where no step was left)."""
-        world, plan, watchdog, seed = self.job.world, self.plan, self.job.watchdog, self.data_cfg.seed
-        target_accuracy, every = self.optimization.target_accuracy, self.checkpointing.checkpoint_every_steps
+        world, plan, seed = self.job.world, self.plan, self.data_cfg.seed
         first = int(self.state.step.numpy())
         indices, drawn = batches.rank_batches(plan, world.rank, seed, first,
                                               self.data.input_shape[:2] if self.data_cfg.augment else None)
@@ -59,15 +57,31 @@ class Trainer:
                                       models.smoothed_cross_entropy(self.optimization.label_smoothing),
                                       self.data.step_batches(indices, world.threads, drawn))
         self.clock.start(first)
-        result, next_check = None, first + 1
+        self.progress = Progress(world, plan, self.clock, self.outputs, self.ranks.slow_rank_lag)
+        try:
+            result = self._steps(train_step, indices, first, after_step)
+        except cli.Stopped:  # on a signal, with Horovod running: the timeline's file closes valid (after an
+            self.outputs.stop_timeline()  # error Horovod may be gone, and its file with the process)
+            raise
+        self.outputs.stop_timeline()  # where the loop ended before the window did
+        return result
+
+    def _steps(self, train_step, indices, first, after_step):
+        """The loop over this rank's ``indices``, from global step ``first``."""
+        world, plan, watchdog = self.job.world, self.plan, self.job.watchdog
+        target_accuracy, every = self.optimization.target_accuracy, self.checkpointing.checkpoint_every_steps
+        result, next_check, n = None, first + 1, first
         for row in indices:
+            self.outputs.timeline_before(n + 1)
             with _named_by_this_rank(lambda: self.data.undecodable_train(row)):
-                loss, n = train_step()
+                loss, n, times = train_step()
             n = int(n)  # the global step, as the step returns it: reading the variable would be an op more
+            times = (*times.numpy(), time.time())
+            self.outputs.timeline_after(n)
             watchdog.progress(n)
             if after_step:
                 after_step(n)
-            self.clock.step_done(plan.global_batch)
+            self.clock.step_done(plan.global_batch, times)
             last_step, epoch_end = n == plan.total_steps, n % plan.steps_per_epoch == 0
             checkpoint_due = last_step or epoch_end or (every and n % every == 0)
             if last_step or n % self.outputs.cfg.log_every_steps == 0:
@@ -105,16 +119,9 @@ class Trainer:
                 f"the same command with --resume continues")
 
     def _log_progress(self, n, loss):
-        import horovod.tensorflow as hvd
-        loss = float(hvd.allreduce(loss))  # every rank takes part in the average
-        if precision.loss_scale(self.state.optimizer) is None:  # loss-scaled, an overflowing step is skipped
-            finite(loss, "loss", n)
-        rate, eta = self.clock.images_per_second(), self.clock.eta(n, self.plan.total_steps)
-        lr = float(self.state.schedule.at_step(n))
-        self.job.world.log(f"step {n}/{self.plan.total_steps}  epoch {self.plan.epoch(n):.2f}  loss {loss:.4f}  "
-                           f"lr {lr:.4g}  {rate:.0f} img/s  "
-                           f"elapsed {_minutes(self.clock.wall_seconds())}  ETA {_minutes(eta)}")
-        self.outputs.scalars(n, {"train/loss": loss, "train/images_per_second": rate})
+        # Loss-scaled, a step whose gradients overflowed is skipped, not a divergence.
+        self.progress.report(n, loss, float(self.state.schedule.at_step(n)),
+                             check_finite=precision.loss_scale(self.state.optimizer) is None)
 
     def _evaluate(self, n):
         world = self.job.world
@@ -183,74 +190,36 @@ def _make_train_step(state, backward_passes, loss, next_batch):
     model, optimizer = state.model, state.optimizer
 
     def train_step():
-        """The step's loss, and the global step after it."""
-        images, labels = next_batch()  # inside the graph: no Python hop per batch
+        """The step's loss, the global step after it, and its times but the end (progress.STEP_TIMES)."""
+        start = tf.timestamp()
+        with tf.control_dependencies([start]):
+            images, labels = next_batch()  # inside the graph: no Python hop per batch
+        with tf.control_dependencies([images, labels]):
+            input_ready = tf.timestamp()
+        # The model waits for that time: a timestamp no op waits for runs when a thread is free, and a
+        # rank's one thread goes on down the forward pass first.
+        with tf.control_dependencies([input_ready]):
+            images = tf.identity(images)
         losses = []
         # One micro-batch per backward pass: the optimizer accumulates, then all-reduces and applies once.
         for micro_images, micro_labels in zip(tf.split(images, backward_passes), tf.split(labels, backward_passes)):
-            with tf.GradientTape() as tape:
+            with _TimedTape() as tape:
                 losses.append(loss(micro_labels, model(micro_images, training=True)))
             optimizer.minimize(losses[-1], model.trainable_variables, tape=tape)
-        return tf.add_n(losses) / backward_passes, state.step.assign_add(1)
+        # Its end is when the call returns, every update done (the loop's clock, on the same wall clock).
+        return tf.add_n(losses) / backward_passes, state.step.assign_add(1), tf.stack([start, input_ready, tape.computed_at])
 
     return tf.function(train_step).get_concrete_function()
 
 
-def finite(value, what, step):
-    """Divergence check. Every rank sees the same value (an all-reduced loss, or identical
-    weights), so every rank stops at the same step, and the last checkpoint stays the last good one."""
-    if not math.isfinite(value):
-        raise JobError(f"the {what} is {value} at step {step}: training diverged (try a lower --lr); "
-                       f"no checkpoint was written from this step on")
-    return value
+class _TimedTape(tf.GradientTape):
+    """A tape that notes, in the step's graph, when the gradients it gave were all computed: where
+    this rank's compute ends and the all-reduce (Horovod's, or hvd_sgd's wrapper's, both after the
+    gradients) with its wait for the other ranks begins. The optimizer asks it for the gradients."""
 
-
-def _minutes(seconds):
-    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
-
-
-class StepClock:
-    """Training throughput and progress times.
-
-    Throughput counts from the end of the first step (which traces the graph) to the end of the
-    latest one, and leaves out what runs inside ``paused()``: evaluations, checkpoints."""
-
-    def __init__(self):
-        self.created = time.perf_counter()
-        self.images, self.seconds, self.timed_steps = 0, 0.0, 0
-        self.last = self.first_step_at = None
-        self.first_step = self.steps = 0
-
-    def start(self, step):
-        """A (re)start of the loop at global ``step``; its first step traces and is not timed."""
-        self.last, self.first_step, self.steps = None, step, 0
-        self.started = time.perf_counter()
-
-    def step_done(self, images):
-        now = time.perf_counter()
-        self.first_step_at = self.first_step_at or time.time()  # the first step traces the graph
-        if self.last is not None:
-            self.images += images
-            self.seconds += now - self.last
-            self.timed_steps += 1
-        self.last = now
-        self.steps += 1
-
-    @contextlib.contextmanager
-    def paused(self):
-        yield
-        self.last = time.perf_counter()
-
-    def images_per_second(self):
-        return self.images / self.seconds if self.seconds > 0 else 0.0
-
-    def seconds_per_step(self):
-        """The mean of the timed steps; 0 before the first."""
-        return self.seconds / self.timed_steps if self.timed_steps else 0.0
-
-    def wall_seconds(self):
-        return time.perf_counter() - self.created
-
-    def eta(self, step, total_steps):
-        """Seconds left at the pace of this loop so far, evaluations included."""
-        return (time.perf_counter() - self.started) / max(1, self.steps) * (total_steps - step)
+    def gradient(self, target, sources, *args, **kwargs):
+        gradients = super().gradient(target, sources, *args, **kwargs)
+        computed = [g for g in tf.nest.flatten(gradients, expand_composites=True) if g is not None]
+        with tf.control_dependencies(computed):
+            self.computed_at = tf.timestamp()
+        return gradients

@@ -1,11 +1,16 @@
-"""What rank 0 writes, in one place: TensorBoard, checkpoints, the exported model, the metrics file.
+"""What rank 0 writes, in one place: TensorBoard, checkpoints, Horovod's timeline, the exported model,
+the metrics file and its series (an object a --log-every-steps interval, every rank's figures).
 
 Every rank holds the run's Outputs and calls it alike; only rank 0's writes (``world.is_chief``):
 it holds what every rank holds, and one copy of each file is wanted. ``check`` finds out before
 training, not after it, whether rank 0 can write what was asked for.
 """
+import json
+import os
+
 import tensorflow as tf
 
+from hvd_sgd import JobError
 from hvd_sgd.runtime import startup
 from hvd_sgd.training import checkpoint, files, models
 
@@ -15,18 +20,26 @@ class Outputs:
         """``outputs``, ``checkpointing``: the configuration's sections (hvd_sgd.config)."""
         self.cfg, self.checkpointing, self.world, self.watchdog = outputs, checkpointing, world, watchdog
         self.writes = world.is_chief
-        self.summaries = self.checkpoints = None
+        self.summaries = self.checkpoints = self.series = None
+        self.timeline_on = False
 
-    def check(self):
-        """Rank 0 can write every file asked for (else a JobError); TensorBoard's writer opens."""
+    def check(self, plan):
+        """Rank 0 can write every file asked for (else a JobError); TensorBoard's writer opens. The
+        timeline's window is in the run (``plan``)."""
+        if self.cfg.timeline and self.cfg.timeline_window()[0] > plan.total_steps:
+            raise JobError(f"--timeline-steps {self.cfg.timeline_steps}: the run has {plan.total_steps} steps")
         if not self.writes:
             return
-        for flag, path in (("--save-model", self.cfg.save_model), ("--metrics-file", self.cfg.metrics_file)):
+        for flag, path in (("--save-model", self.cfg.save_model), ("--metrics-file", self.cfg.metrics_file),
+                           ("--timeline", self.cfg.timeline)):
             if path:
                 files.check_writable(files.parent(path), f"{flag} {path}")
         if self.cfg.log_dir:
             files.check_writable(self.cfg.log_dir, f"--log-dir {self.cfg.log_dir}")
             self.summaries = tf.summary.create_file_writer(self.cfg.log_dir)
+        if self.cfg.metrics_file:
+            # A resumed run goes on with its series; another run starts its own.
+            self.series = open(series_path(self.cfg.metrics_file), "a" if self.checkpointing.resume else "w")
 
     def check_exportable(self, model):
         """--save-model can write ``model`` (on every rank: it is each rank's model that would fail)."""
@@ -61,6 +74,38 @@ class Outputs:
                 for name, value in values.items():
                     tf.summary.scalar(name, value)
 
+    def interval(self, record):
+        """One line of the metrics series: JSON Lines (pandas.read_json(path, lines=True))."""
+        if self.series:
+            self.series.write(json.dumps(record) + "\n")
+            self.series.flush()
+
+    def timeline_before(self, step):
+        """Before global step ``step``: Horovod's timeline starts in --timeline-steps' window (every
+        rank starts and stops it; rank 0 writes it)."""
+        if self.cfg.timeline and not self.timeline_on:
+            first, last = self.cfg.timeline_window()
+            if first <= step <= last:
+                import horovod.tensorflow as hvd
+                hvd.start_timeline(os.path.abspath(self.cfg.timeline))
+                self.timeline_on = True
+
+    def timeline_after(self, step):
+        """After global step ``step``: the timeline stops at the window's end."""
+        if self.timeline_on and step >= self.cfg.timeline_window()[1]:
+            self.stop_timeline()
+
+    def stop_timeline(self):
+        """Stop the timeline, if it records, and leave its file valid JSON: Horovod 0.28.1 leaves its list
+        of events open (a stop on a signal, an error, the end of the run come here too)."""
+        if not self.timeline_on:
+            return
+        import horovod.tensorflow as hvd
+        hvd.stop_timeline()  # returns once Horovod has closed the file
+        self.timeline_on = False
+        if self.writes:
+            _close_event_list(self.cfg.timeline)
+
     def finish(self, model, summary):
         """The exported model (--save-model) and the run's summary (--metrics-file)."""
         if not self.writes:
@@ -69,4 +114,20 @@ class Outputs:
             models.export(model, self.cfg.save_model)
             self.world.log(f"Model saved to {self.cfg.save_model}")
         if self.cfg.metrics_file:
+            self.series.close()
             files.write_json(self.cfg.metrics_file, summary)
+
+
+def series_path(metrics_file):
+    """The metrics series beside the summary: metrics.json -> metrics.jsonl."""
+    return metrics_file + "l" if metrics_file.endswith(".json") else metrics_file + ".jsonl"
+
+
+def _close_event_list(path):
+    """The JSON list of trace events in ``path`` closed, unless it is already: "[]" if no event came."""
+    with open(path) as f:
+        text = f.read().rstrip().rstrip(",")
+    if not text.endswith("]"):
+        text = (text or "[") + "]"
+    json.loads(text)  # a file still broken is Horovod's bug: a traceback, not a silent bad file
+    files.write_text(path, text + "\n")
