@@ -88,6 +88,7 @@ class Watchdog:
         self.working_in, self.file_state = None, None  # the files this rank works in, while it does; their state
         self.stopped = threading.Event()
         self.link = None
+        self.stacks_written = False
 
     def start(self):
         """From here to ``stop()`` or the end of the process; the heartbeat files go at exit. A
@@ -145,7 +146,7 @@ class Watchdog:
             if path is not None and (state := _file_state(path)) != self.file_state:
                 self.file_state, self.last_progress = state, woke
             self._beat()
-            if os.path.exists(os.path.join(self.directory, "reported")):  # a stalled job's end: where is this rank?
+            if not self.stacks_written and os.path.exists(os.path.join(self.directory, "reported")):  # the job ends
                 self._write_stacks()
             if self.link:
                 self.link.exchange()
@@ -225,6 +226,7 @@ class Watchdog:
 
     def _write_stacks(self):
         """All this process's threads' Python stacks, once, into the job's stacks directory."""
+        self.stacks_written = True
         path = os.path.join(self.stacks_directory, f"rank-{self.rank}.txt")
         with contextlib.suppress(OSError):  # a directory this node cannot write: the line says whose are missing
             os.makedirs(self.stacks_directory, exist_ok=True)

@@ -21,12 +21,14 @@ class Outputs:
         self.cfg, self.checkpointing, self.world, self.watchdog = outputs, checkpointing, world, watchdog
         self.writes = world.is_chief
         self.summaries = self.checkpoints = self.series = None
+        # --timeline-steps, parsed once: the loop asks before and after every step.
+        self.timeline_window = outputs.timeline_window() if outputs.timeline else None
         self.timeline_on = False
 
     def check(self, plan):
         """Rank 0 can write every file asked for (else a JobError); TensorBoard's writer opens. The
         timeline's window is in the run (``plan``)."""
-        if self.cfg.timeline and self.cfg.timeline_window()[0] > plan.total_steps:
+        if self.timeline_window and self.timeline_window[0] > plan.total_steps:
             raise JobError(f"--timeline-steps {self.cfg.timeline_steps}: the run has {plan.total_steps} steps")
         if not self.writes:
             return
@@ -83,8 +85,8 @@ class Outputs:
     def timeline_before(self, step):
         """Before global step ``step``: Horovod's timeline starts in --timeline-steps' window (every
         rank starts and stops it; rank 0 writes it)."""
-        if self.cfg.timeline and not self.timeline_on:
-            first, last = self.cfg.timeline_window()
+        if self.timeline_window and not self.timeline_on:
+            first, last = self.timeline_window
             if first <= step <= last:
                 import horovod.tensorflow as hvd
                 hvd.start_timeline(os.path.abspath(self.cfg.timeline))
@@ -92,7 +94,7 @@ class Outputs:
 
     def timeline_after(self, step):
         """After global step ``step``: the timeline stops at the window's end."""
-        if self.timeline_on and step >= self.cfg.timeline_window()[1]:
+        if self.timeline_on and step >= self.timeline_window[1]:
             self.stop_timeline()
 
     def stop_timeline(self):
