@@ -59,8 +59,8 @@ def fit(model_fn, data, cfg=config.TrainConfig(), job=None):
     # 3. Horovod: the learning rate scales with the global batch, after a warm-up; it decays over --epochs.
     schedule = schedules.WarmupCosine.following(plan)
 
-    # 4. Horovod: wrap SGD in hvd.DistributedOptimizer (hvd_sgd's own under Keras 3): every rank applies the
-    #    gradients averaged over all ranks and a step's backward passes; a loss scale judges the average.
+    # 4. Horovod: wrap SGD in hvd.DistributedOptimizer: every rank applies the gradients averaged over all
+    #    ranks and a step's backward passes; a loss scale judges every rank's gradients at once.
     precision.use(cfg.precision)
     model = precision.with_float32_logits(models.build(model_fn, data.input_shape, data.num_classes, cfg.seed),
                                           data.input_shape)
@@ -99,9 +99,6 @@ def fit(model_fn, data, cfg=config.TrainConfig(), job=None):
 
 
 def _check_elastic(elastic):
-    if elastic and distributed.KERAS_3:
-        raise JobError("--elastic needs the default stack (Keras 2): Horovod 0.28.1's elastic state cannot "
-                       "save or broadcast Keras 3 variables (docs/guide.md, \"Two stacks\")")
     if elastic and not startup.launched_elastic():
         raise JobError("--elastic needs horovodrun's elastic mode: horovodrun -np N --min-np MIN --max-np MAX "
                        "--host-discovery-script run/discover-hosts python -m hvd_sgd.train --elastic")

@@ -8,7 +8,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import (assert_same_weights, error_lines, launch, max_difference, read_json, saved_weights,
+from conftest import (STACK, assert_same_weights, error_lines, launch, max_difference, read_json, saved_weights,
                       succeeded, train_and_save)
 
 # A model whose gradient overflows on rank 1 at one step (OVERFLOW_AT_STEP): an identity layer whose
@@ -73,6 +73,24 @@ def test_a_gradient_that_overflows_on_one_rank_makes_every_rank_skip_the_step_an
     # the run went on to its last step
     assert len(set(overflowed["weight_checksums"])) == 1 and overflowed["steps"] == 20
     assert overflowed["weight_checksums"] != clean["weight_checksums"]  # a step was skipped
+
+
+@pytest.mark.both_stacks
+def test_float16_with_accumulation_skips_an_overflowed_step_on_every_rank_or_is_refused_on_keras_2(tmp_path):
+    """2 ranks x 2 backward passes a step, an overflow at step 5 on one rank: on Keras 3 every rank skips
+    the step and halves the scale alike (Horovod's loss scale, patched, judges every rank's micro-batches);
+    Keras 2's loss scale would judge them apart, so the default (Keras 2) stack refuses in one line."""
+    env = dict(overflow_model(tmp_path), OVERFLOW_AT_STEP="5")
+    metrics = tmp_path / "m.json"
+    result = launch("mpirun", 2, "--model", "overflow:model", *precision_flags("mixed_float16"), *SHORT, "--max-steps", 10,
+                    "--batch-size", 8, "--backward-passes-per-step", 2, "--metrics-file", metrics, env=env)
+    if STACK == "default":
+        [line] = error_lines(result)
+        assert result.returncode == 1 and "needs the current stack" in line, result.stderr[-2000:]
+        return
+    summary = read_json(succeeded(result) and metrics)
+    assert summary["loss_scale"] == INITIAL_SCALE / 2 and len(set(summary["weight_checksums"])) == 1
+    assert summary["steps"] == 10
 
 
 @pytest.mark.both_stacks

@@ -137,6 +137,14 @@ def load(name, data_dir=None, allocate=aligned_empty):
     return load_mnist(allocate)
 
 
+def load_data(name="mnist"):
+    """``name`` as ``tf.keras.datasets.<name>.load_data()`` returns it, ``((x_train, y_train),
+    (x_test, y_test))``, from the installation, with no download: for a Horovod script of one's own,
+    which must not fetch MNIST on every rank of a cluster without network."""
+    splits = load(name)
+    return (splits.x_train, splits.y_train), (splits.x_test, splits.y_test)
+
+
 def location(name, users_data=None):
     """The file or directory that ``load(name, users_data)`` reads."""
     return users_data or (FASHION_MNIST_DIR if name == "fashion_mnist" else data_dir())

@@ -27,8 +27,8 @@ class State:
         return cls(model, optimizer, tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step"), schedule)
 
     def variables(self):
-        return distributed.tf_variables(self.model.variables + self.optimizer.variables
-                                        + precision.loss_scale_variables(self.optimizer)) + [self.step]
+        return (self.model.variables + distributed.shared_variables(self.optimizer)
+                + precision.loss_scale_variables(self.optimizer) + [self.step])
 
     def follow(self, plan):
         """The optimizer's learning rate becomes ``plan``'s schedule (before the step is traced)."""
@@ -205,7 +205,7 @@ def _make_train_step(state, backward_passes, loss, next_batch):
         for micro_images, micro_labels in zip(tf.split(images, backward_passes), tf.split(labels, backward_passes)):
             with _TimedTape() as tape:
                 losses.append(loss(micro_labels, model(micro_images, training=True)))
-            optimizer.minimize(losses[-1], model.trainable_variables, tape=tape)
+            distributed.minimize(optimizer, losses[-1], model.trainable_variables, tape)
         # Its end is when the call returns, every update done (the loop's clock, on the same wall clock).
         return tf.add_n(losses) / backward_passes, state.step.assign_add(1), tf.stack([start, input_ready, tape.computed_at])
 
