@@ -16,11 +16,12 @@ __version__ = "0.1.0"
 def __getattr__(name):
     """The API for your own model and data, imported on first use (TensorFlow is slow to import):
     ``hvd_sgd.fit``, ``hvd_sgd.TrainConfig``, ``hvd_sgd.Splits``, ``hvd_sgd.datasets``,
-    ``hvd_sgd.SyncBatchNormalization`` (on either stack)."""
+    ``hvd_sgd.SyncBatchNormalization`` (Horovod's, on either stack: under Keras 3 the installation's
+    patch of it; a saved model holds a plain BatchNormalization in its place, training.models.export)."""
     import importlib
     api = dict(fit=("hvd_sgd.train", "fit"), TrainConfig=("hvd_sgd.config", "TrainConfig"),
                Splits=("hvd_sgd.data.datasets", "Splits"), datasets=("hvd_sgd.data.datasets", None),
-               SyncBatchNormalization=("hvd_sgd.training.distributed", "SyncBatchNormalization"))
+               SyncBatchNormalization=("horovod.tensorflow", "SyncBatchNormalization"))
     if name not in api:
         raise AttributeError(f"module 'hvd_sgd' has no attribute {name!r}")
     module_name, attribute = api[name]

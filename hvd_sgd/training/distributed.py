@@ -57,11 +57,3 @@ def shared_variables(optimizer):
     except ImportError:  # the Keras 2 stack's Horovod, as released
         return list(optimizer.variables)
     return optimizer_variables_to_broadcast(optimizer)
-
-
-def SyncBatchNormalization(**kwargs):  # noqa: N802 (a layer's name)
-    """Batch normalization whose training statistics are the global batch's: Horovod's
-    ``hvd.SyncBatchNormalization`` (under Keras 3, the installation's patch of it). A saved model
-    holds a plain BatchNormalization in its place (models.export)."""
-    import horovod.tensorflow as hvd
-    return hvd.SyncBatchNormalization(**kwargs)
