@@ -5,26 +5,26 @@ PYTHON=${PYTHON:-python3}
 say() { echo "[hvd_sgd] $*" >&2; }
 die() { echo "[hvd_sgd] error: $*" >&2; exit 1; }
 
-# Two stacks (docs/guide.md, "Two stacks"): default, TensorFlow 2.15 with Keras 2, in .venv; current, the
-# newest TensorFlow with Keras 3 and a patched Horovod build, in .venv-current. Unless HVD_SGD_STACK
-# names one, the Python picks: TensorFlow 2.15 has no wheels past Python 3.11.
+# Two stacks (docs/guide.md, "Two stacks"): current, the default, the newest TensorFlow with Keras 3
+# and Horovod patched for it, in .venv; keras2, TensorFlow 2.15 with Keras 2 (HVD_SGD_STACK=keras2),
+# in .venv-keras2. Unless HVD_SGD_STACK names one, the Python picks: TensorFlow 2.21 needs 3.10 or later.
 python_version=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) ||
     die "no Python at PYTHON=$PYTHON: set PYTHON to a Python 3.9 to 3.13"
 if [ -z "${HVD_SGD_STACK:-}" ]; then
     case $python_version in
-        3.9|3.10|3.11) STACK=default ;;
-        3.12|3.13) STACK=current
-            say "$PYTHON is Python $python_version: the current stack (TensorFlow 2.21, Keras 3), in .venv-current; the default stack's TensorFlow 2.15 needs Python 3.9 to 3.11" ;;
-        *) die "$PYTHON is Python $python_version: hvd_sgd needs Python 3.9 to 3.11 (default stack) or 3.10 to 3.13 (current stack); set PYTHON to one" ;;
+        3.10|3.11|3.12|3.13) STACK=current ;;
+        3.9) STACK=keras2
+            say "$PYTHON is Python 3.9: the keras2 stack (TensorFlow 2.15, Keras 2), in .venv-keras2; the current stack's TensorFlow 2.21 needs Python 3.10 to 3.13" ;;
+        *) die "$PYTHON is Python $python_version: hvd_sgd needs Python 3.10 to 3.13 (or 3.9 with HVD_SGD_STACK=keras2); set PYTHON to one" ;;
     esac
     export HVD_SGD_STACK=$STACK  # picked once: the scripts these start keep it, and say nothing
 else
     STACK=$HVD_SGD_STACK
 fi
 case $STACK in
-    default) VENV=${HVD_SGD_VENV:-$ROOT/.venv} ;;
-    current) VENV=${HVD_SGD_VENV:-$ROOT/.venv}-current ;;
-    *) die "HVD_SGD_STACK=$STACK: choose default or current" ;;
+    current) VENV=${HVD_SGD_VENV:-$ROOT/.venv} ;;
+    keras2) VENV=${HVD_SGD_VENV:-$ROOT/.venv}-keras2 ;;
+    *) die "HVD_SGD_STACK=$STACK: choose current (the default) or keras2" ;;
 esac
 # Debian packages can be installed here: apt and dpkg, and root or sudo without a password.
 can_install_debian() {

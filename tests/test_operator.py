@@ -127,6 +127,7 @@ def test_a_reversed_or_malformed_timeline_window_is_one_line(steps):
         config.parse(config.TrainConfig, ["--timeline", "t.json", "--timeline-steps", steps])
 
 
+@pytest.mark.slow
 def test_a_timeline_window_after_the_run_is_one_line(tmp_path):
     result = launch("mpirun", 2, *SHORT, "--timeline", tmp_path / "t.json", "--timeline-steps", "500:600", timeout=120)
     assert result.returncode != 0 and "Traceback" not in result.stderr
@@ -134,6 +135,7 @@ def test_a_timeline_window_after_the_run_is_one_line(tmp_path):
     assert line.endswith("--timeline-steps 500:600: the run has 64 steps"), line
 
 
+@pytest.mark.slow
 def test_an_unwritable_timeline_is_one_line_before_training(tmp_path):
     result = launch("mpirun", 2, *SHORT, "--timeline", "/proc/no/timeline.json", timeout=120)
     [line] = error_lines(result)

@@ -57,6 +57,7 @@ def overflow_model(tmp_path):
     return {"PYTHONPATH": str(tmp_path)}
 
 
+@pytest.mark.slow
 @pytest.mark.both_stacks
 def test_a_gradient_that_overflows_on_one_rank_makes_every_rank_skip_the_step_and_halve_the_scale(tmp_path):
     env = overflow_model(tmp_path)
@@ -75,6 +76,7 @@ def test_a_gradient_that_overflows_on_one_rank_makes_every_rank_skip_the_step_an
     assert overflowed["weight_checksums"] != clean["weight_checksums"]  # a step was skipped
 
 
+@pytest.mark.slow
 @pytest.mark.both_stacks
 def test_float16_with_accumulation_skips_an_overflowed_step_on_every_rank_or_is_refused_on_keras_2(tmp_path):
     """2 ranks x 2 backward passes a step, an overflow at step 5 on one rank: on Keras 3 every rank skips
@@ -84,7 +86,7 @@ def test_float16_with_accumulation_skips_an_overflowed_step_on_every_rank_or_is_
     metrics = tmp_path / "m.json"
     result = launch("mpirun", 2, "--model", "overflow:model", *precision_flags("mixed_float16"), *SHORT, "--max-steps", 10,
                     "--batch-size", 8, "--backward-passes-per-step", 2, "--metrics-file", metrics, env=env)
-    if STACK == "default":
+    if STACK == "keras2":
         [line] = error_lines(result)
         assert result.returncode == 1 and "needs the current stack" in line, result.stderr[-2000:]
         return
@@ -93,7 +95,7 @@ def test_float16_with_accumulation_skips_an_overflowed_step_on_every_rank_or_is_
     assert summary["steps"] == 10
 
 
-@pytest.mark.both_stacks
+@pytest.mark.slow
 def test_float16_resumes_with_its_loss_scale_exactly_like_a_straight_run(tmp_path):
     """The overflow at step 5 halves the scale before the checkpoint of step 10; resumed, the run ends
     with the weights and the loss scale of a straight run."""
@@ -123,6 +125,7 @@ NP_INVARIANCE = ["--model", "mlp", "--lr", "0.05", "--no-lr-scaling", "--train-e
 TOLERANCE = dict(rtol=0, atol=0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
 def test_n_ranks_train_like_one_rank_in_mixed_precision(precision, tmp_path):
     args = [*NP_INVARIANCE, *precision_flags(precision)]
@@ -133,6 +136,7 @@ def test_n_ranks_train_like_one_rank_in_mixed_precision(precision, tmp_path):
     assert max_difference(one, other) > 3 * TOLERANCE["atol"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
 def test_fp16_allreduce_with_mixed_precision_keeps_the_ranks_identical_and_learns(precision, tmp_path):
     metrics = tmp_path / "m.json"
@@ -142,6 +146,7 @@ def test_fp16_allreduce_with_mixed_precision_keeps_the_ranks_identical_and_learn
     assert len(set(summary["weight_checksums"])) == 1 and summary["test_accuracy"] > 0.7
 
 
+@pytest.mark.slow
 @pytest.mark.both_stacks
 def test_a_model_trained_in_mixed_precision_is_saved_in_float32(tmp_path):
     import tensorflow as tf
@@ -176,6 +181,7 @@ def test_the_resnets_train_on_tiny_images(model, np_, precision, colour_set, tmp
     assert summary["steps"] == 3 and len(set(summary["weight_checksums"])) == 1
 
 
+@pytest.mark.slow
 def test_resnet50_on_images_smaller_than_32_pixels_is_one_line():
     result = launch("python", 1, "--model", "resnet50", "--train-examples", 64, "--test-examples", 16,
                     "--max-steps", 1)
@@ -183,7 +189,7 @@ def test_resnet50_on_images_smaller_than_32_pixels_is_one_line():
     assert result.returncode != 0 and "resnet50" in line and "32" in line, result.stderr[-2000:]
 
 
-@pytest.mark.both_stacks
+@pytest.mark.slow
 def test_a_subclassed_model_trains_in_mixed_precision_with_float32_logits(tmp_path):
     """A subclassed model declares no outputs: hvd_sgd wraps it to cast its logits, built before
     the optimizer sees its weights."""

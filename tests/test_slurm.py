@@ -9,7 +9,7 @@ from conftest import (LONG_RUN, ROOT, checkpoint_from_step, launch, read_json, r
                       wait_for_job)
 
 # run/test's xdist workers run the cluster tests (this file's and test_multinode's) on one worker, in order.
-pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("clusters")]
+pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.xdist_group("clusters")]
 CLUSTER = ROOT / "run" / "slurm" / "local-cluster"
 
 

@@ -9,6 +9,8 @@ import pytest
 from conftest import PYTHON, ROOT, STACK, error_lines, launch, output_lines, succeeded
 from hvd_sgd.bench import launchers
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 # Two ranks, one weight w = 0, one fit step at learning rate 1 on the mean absolute error
 # |w x - 100|, whose gradient is -x: rank r has x = r + 1, so its own step gives w = r + 1 and
 # the average step gives w = 1.5 on both ranks. Prints every rank's w.

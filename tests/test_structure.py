@@ -1,13 +1,15 @@
 """The package's shape (docs/design.md, "The package in rooms"): rooms that import one way, the
 launcher's environment read in the runtime alone, data formats known in the data room alone, the
-recipe readable in ``fit``, and README's layout naming every module. Read from the source: no
-process starts."""
+recipe readable in ``fit``, README's layout naming every module, and every module importing on its
+own. No process starts."""
 import ast
+import importlib
 import pathlib
 import re
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hvd_sgd"
 README = PACKAGE.parent / "README.md"
+REFERENCE = PACKAGE.parent / "docs" / "reference.md"
 # Each room may import the rooms after it in its line, and the package's root (JobError, first_line).
 ROOM_IMPORTS = {
     "runtime": set(),
@@ -115,3 +117,29 @@ def test_readmes_layout_names_every_module_in_its_room():
     named = {name for entry, line in lines.items() if entry.endswith("/") for name in re.findall(r"`(\w+)`", line)}
     ghosts = [name for name in named if not any(module.endswith("." + name) for module in modules())]
     assert not missing and not ghosts, (missing, ghosts)
+
+
+def test_every_module_imports_on_its_own():
+    """The quick tier imports every module, the ones that run only in the slow tier's processes too
+    (the bench's workers; a program's __main__ would run it)."""
+    for module in modules():
+        if not module.endswith("__main__"):
+            importlib.import_module(module)
+
+
+def test_every_readme_claim_in_the_coverage_table_is_the_readmes_and_names_tests_that_exist():
+    """docs/reference.md's table of claims: each claim is the README's own words, and each row names
+    tests that exist (file::function) or says "not in CI" with the command that checks it."""
+    words = lambda text: " ".join(text.replace("\\|", "|").split())
+    readme = words(README.read_text())
+    text = REFERENCE.read_text()
+    rows = text[text.index("<!-- claims:"):text.index("<!-- end of claims -->")].splitlines()[3:]
+    tests = {f"{path.name}::{node.name}" for path in README.parent.joinpath("tests").glob("test_*.py")
+             for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
+    assert len(rows) > 20
+    for row in rows:
+        claim, checked_by = (cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:3])
+        assert words(claim) in readme, f"not in the README: {claim}"
+        named = re.findall(r"`(test_\w+\.py::\w+)`", checked_by)
+        assert set(named) <= tests, f"no such test: {set(named) - tests}"
+        assert named or ("not in CI" in checked_by and "`" in checked_by) or "conftest" in checked_by, row

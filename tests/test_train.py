@@ -2,17 +2,17 @@
 import json
 import os
 import re
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
 from conftest import (PYTHON, ROOT, STACK, assert_same_weights, error_lines, launch, max_difference, output_lines,
-                      read_json, reported_accuracy, succeeded, train_and_save)
+                      read_json, reported_accuracy, saved_weights, succeeded, train_and_save)
 from hvd_sgd.bench import launchers
 
 
+@pytest.mark.slow
 @pytest.mark.both_stacks
 @pytest.mark.parametrize("launcher,np_", [("python", 1), ("mpirun", 2), ("horovodrun", 2), ("horovodrun-gloo", 2)])
 def test_every_launcher_trains_and_ranks_end_identical(launcher, np_, tmp_path, tiny_run):
@@ -80,6 +80,7 @@ sys.stdout.write("PLACEMENT " + json.dumps(dict(rank=w.rank, threads=w.threads, 
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher,bind,threads", [("horovodrun", True, 0), ("horovodrun", True, 1),
                                                   ("horovodrun", False, 0), ("mpirun", True, 0),
                                                   ("horovodrun-gloo", True, 0)])
@@ -134,12 +135,12 @@ if hvd.rank() == 0:  # one line: unbuffered, two ranks' prints can interleave wo
 """
 
 
-@pytest.mark.both_stacks
+@pytest.mark.slow
 def test_horovods_thread_takes_no_cpu_while_its_rank_has_nothing_to_reduce():
     """At hvd_sgd's 0 ms cycle, Horovod 0.28.1's background thread negotiated without pause: a
     whole core while its rank waited, 13-19 % of it while training softmax. Patched
     (run/patches/), it waits for a tensor instead (docs/design.md)."""
-    result = succeeded(subprocess.run([shutil.which("mpirun"), "-np", "2", PYTHON, "-c", IDLE_CPU],
+    result = succeeded(subprocess.run([launchers.mpirun(), "-np", "2", PYTHON, "-c", IDLE_CPU],
                                       env=launchers.environment(), cwd=ROOT, capture_output=True, text=True,
                                       timeout=120))
     busy = json.loads(output_lines(result.stdout)[-1])
@@ -164,7 +165,7 @@ print(statistics.median(faults))
 """
 
 
-@pytest.mark.both_stacks
+@pytest.mark.slow
 @pytest.mark.parametrize("onednn,allocator,most", [(None, None, 1024), ("0", None, 1024), ("0", "false", None)])
 def test_a_large_all_reduce_reuses_its_output_memory(onednn, allocator, most):
     """TensorFlow's default CPU allocator faults 16k fresh pages in for each 64 MiB output. oneDNN's
@@ -180,6 +181,7 @@ def test_a_large_all_reduce_reuses_its_output_memory(onednn, allocator, most):
     assert faults < most if most else faults > (64 << 20) // 4096 // 2, faults
 
 
+@pytest.mark.slow
 @pytest.mark.both_stacks
 @pytest.mark.parametrize("model", ["softmax", "mlp"])
 def test_n_ranks_with_batch_b_train_like_one_rank_with_batch_nb(model, tmp_path):
@@ -194,6 +196,7 @@ def test_n_ranks_with_batch_b_train_like_one_rank_with_batch_nb(model, tmp_path)
         assert max_difference(one, other) > 1e-3
 
 
+@pytest.mark.slow
 def test_lr_scaling_is_the_linear_rule(tmp_path):
     """np=2 with --lr x (scaled to 2x) equals np=1, batch 2B, --lr 2x, without the warm-up (which
     ramps from x to 2x: one rank, unscaled, has nothing to ramp)."""
@@ -210,6 +213,7 @@ ACCUMULATION = ["--model", "mlp", "--train-examples", 640, "--test-examples", 50
                 "--warmup-epochs", 0]
 
 
+@pytest.mark.slow
 @pytest.mark.both_stacks
 def test_accumulation_trains_like_a_larger_batch_and_scales_the_rate_with_it(tmp_path):
     """2 ranks x 2 backward passes of 8 is one rank with batch 32: with --lr x scaled by ranks x
@@ -232,6 +236,7 @@ def test_accumulation_trains_like_a_larger_batch_and_scales_the_rate_with_it(tmp
     assert max_difference(same_rate, twice_the_rate) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.both_stacks
 def test_fp16_allreduce_sends_half_precision_and_keeps_the_accuracy(tmp_path):
     common = ["--model", "mlp", "--train-examples", 4096, "--test-examples", 2000, "--max-steps", 100,
@@ -248,6 +253,7 @@ def test_fp16_allreduce_sends_half_precision_and_keeps_the_accuracy(tmp_path):
     assert 1e-5 < max_difference(fp32, fp16) < 0.05, max_difference(fp32, fp16)
 
 
+@pytest.mark.slow
 @pytest.mark.both_stacks
 def test_resume_continues_and_ends_where_an_uninterrupted_run_ends(tmp_path):
     """With gradient accumulation (without it: the reliability tests' resumes after a kill)."""
@@ -264,6 +270,7 @@ def test_resume_continues_and_ends_where_an_uninterrupted_run_ends(tmp_path):
     assert_same_weights(straight, resumed)
 
 
+@pytest.mark.slow
 def test_resume_on_another_number_of_ranks_needs_the_same_global_batch(tmp_path):
     """2 ranks x 16 checkpointed, resumed on 1 rank: refused with batch 16, exact with batch 32."""
     common = ["--model", "mlp", "--lr", "0.04", "--no-lr-scaling", "--train-examples", 1024, "--test-examples", 500]
@@ -310,3 +317,52 @@ def mnist_cache():
     from hvd_sgd.data import datasets
     datasets.load("mnist")
     return f"{datasets.data_dir()}/mnist.npz"
+
+
+def test_the_recipe_runs_in_this_process_on_one_rank(tmp_path):
+    """The quick tier's run of the whole recipe: hvd_sgd.train.main in the test's own process, one
+    rank, a few steps, its summary written (the launchers and several ranks are the slow tier's)."""
+    from hvd_sgd import train
+    metrics = tmp_path / "m.json"
+    train.main(list(map(str, ["--model", "softmax", "--train-examples", 512, "--test-examples", 200,
+                              "--batch-size", 64, "--max-steps", 4, "--metrics-file", metrics])))
+    summary = read_json(metrics)
+    assert summary["steps"] == 4 and summary["world_size"] == 1 and summary["test_examples"] == 200, summary
+    assert 0 < summary["test_accuracy"] <= 1 and summary["images_per_second"] > 0
+
+
+# A model whose initial weights depend on the rank that builds it, as a model seeded from the
+# process (its id, the clock, the rank) would: only the start-up broadcast makes the ranks agree.
+RANK_SEEDED = """
+import os
+import tensorflow as tf
+
+def model(input_shape, num_classes):
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "0")))
+    seed = rank if os.environ.get("SEED_FROM_RANK") == "1" else 0
+    return tf.keras.Sequential([tf.keras.Input(input_shape), tf.keras.layers.Flatten(),
+                                tf.keras.layers.Dense(num_classes, kernel_initializer=tf.keras.initializers.RandomNormal(seed=seed))])
+"""
+
+
+@pytest.mark.slow
+def test_every_rank_starts_from_rank_0s_broadcast_variables(tmp_path, monkeypatch):
+    """Each rank builds different initial weights; after the start-up broadcast they train exactly as
+    ranks that all built rank 0's (hvd_sgd also checks the ranks agree right after the broadcast)."""
+    (tmp_path / "rank_seeded.py").write_text(RANK_SEEDED)
+    monkeypatch.syspath_prepend(tmp_path)
+    import rank_seeded
+    monkeypatch.setenv("SEED_FROM_RANK", "1")
+    built = []
+    for rank in ("0", "1"):  # without the broadcast the ranks would start apart
+        monkeypatch.setenv("OMPI_COMM_WORLD_RANK", rank)
+        built.append(rank_seeded.model((28, 28, 1), 10).get_weights())
+    assert max_difference(*built) > 0.1
+    run = ["--model", "rank_seeded:model", "--train-examples", 1024, "--test-examples", 200, "--max-steps", 8]
+    weights = {}
+    for seeded in ("1", "0"):
+        path = tmp_path / f"seeded-{seeded}.keras"
+        succeeded(launch("mpirun", 2, *run, "--save-model", path,
+                         env=dict(PYTHONPATH=str(tmp_path), SEED_FROM_RANK=seeded)))
+        weights[seeded] = saved_weights(path)
+    assert_same_weights(weights["1"], weights["0"], rtol=0, atol=0)

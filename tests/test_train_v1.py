@@ -13,6 +13,7 @@ def final_variables(checkpoint_dir):
     return {name: reader.get_tensor(name) for name in ("W", "b", "global_step")}
 
 
+@pytest.mark.slow
 @pytest.mark.both_stacks
 def test_two_ranks_reach_the_softmax_ceiling(tmp_path):
     metrics = tmp_path / "m.json"
@@ -22,6 +23,7 @@ def test_two_ranks_reach_the_softmax_ceiling(tmp_path):
     assert (summary["world_size"], summary["steps"]) == (2, 300)
 
 
+@pytest.mark.slow
 @pytest.mark.both_stacks
 def test_one_rank_batch_2b_equals_two_ranks_batch_b(tmp_path):
     common = ["--lr", "0.5", "--steps", 40, "--seed", 5]
@@ -34,6 +36,7 @@ def test_one_rank_batch_2b_equals_two_ranks_batch_b(tmp_path):
     assert np.abs(one["W"]).max() > 1e-3  # it trained
 
 
+@pytest.mark.slow
 @pytest.mark.both_stacks
 def test_rerun_with_the_checkpoint_dir_continues_the_global_step(tmp_path):
     common = ["--lr", "0.5", "--batch-size", 50]
@@ -50,6 +53,7 @@ def test_rerun_with_the_checkpoint_dir_continues_the_global_step(tmp_path):
     np.testing.assert_allclose(straight["b"], split["b"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
     (["--steps", "0"], "--steps must be at least 1"),
     (["--batch-size", "40000"], "larger than a rank's shard"),
@@ -58,3 +62,11 @@ def test_bad_input_is_one_line(args, message):
     result = launch("mpirun", 2, *args, module=V1, timeout=120)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.count("hvd_sgd.train_v1: error:") == 1 and message in result.stderr
+
+
+def test_the_program_runs_in_this_process_on_one_rank(tmp_path):
+    """The quick tier's run of the TF1 program, in the test's own process (it builds its own graph)."""
+    from hvd_sgd import train_v1
+    metrics = tmp_path / "m.json"
+    train_v1.main(["--steps", "20", "--metrics-file", str(metrics)])
+    assert read_json(metrics)["test_accuracy"] > 0.5

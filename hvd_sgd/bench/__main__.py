@@ -24,7 +24,7 @@ def main(argv=None):
     parser.add_argument("--suites", default=",".join(suites.DEFAULT_SUITES),
                         help=f"comma-separated, from {','.join(suites.SUITES)} (lever: scaling and all-reduce without "
                              f"and with --lever; stacks: overhead and scaling on "
-                             f"both stacks, the current one set up too; network: as root, on a virtual cluster of "
+                             f"both stacks, the keras2 one set up too; network: as root, on a virtual cluster of "
                              f"2 nodes that it starts and stops)")
     parser.add_argument("--links", default=",".join(network.LINKS),
                         help=f"the network suite's links, from {','.join(network.LINKS)}")
@@ -51,9 +51,9 @@ def main(argv=None):
         parser.error(f"--suites: unknown {sorted(set(chosen) - set(suites.SUITES))}")
     if "project" in chosen and ("network" not in chosen or chosen.index("network") > chosen.index("project")):
         parser.error("--suites: project needs network before it (it projects from network's measurements)")
-    if "stacks" in chosen and not os.path.exists(suites.stack_python("current")):
-        parser.error(f"--suites stacks: no current stack at {suites.stack_python('current')}: "
-                     f"set it up with HVD_SGD_STACK=current run/setup (run/bench does)")
+    if "stacks" in chosen and not os.path.exists(suites.stack_python("keras2")):
+        parser.error(f"--suites stacks: no keras2 stack at {suites.stack_python('keras2')}: "
+                     f"set it up with HVD_SGD_STACK=keras2 run/setup (run/bench does)")
     links = tuple(args.links.split(","))
     if not set(links) <= set(network.LINKS):
         parser.error(f"--links: unknown {sorted(set(links) - set(network.LINKS))}")

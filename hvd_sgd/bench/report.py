@@ -163,14 +163,14 @@ def _project_tables(p):
 
 
 def _stacks_table(rows):
-    lines = ["The overhead and scaling suites on each stack (default: TensorFlow 2.15, Keras 2; current: "
-             "the newest TensorFlow, Keras 3), and hvd_sgd's img/s on the current stack over the default's.", "",
+    lines = ["The overhead and scaling suites on each stack (current: the newest TensorFlow, Keras 3; keras2: "
+             "TensorFlow 2.15, Keras 2), and hvd_sgd's img/s on the current stack over the keras2 stack's.", "",
              "| model | stack | hvd_sgd 1 rank | plain Keras | overhead ratio | hvd_sgd 2 ranks | 2 independent | "
-             "scaling | current / default |", "| --- |" + " --- |" * 8]
+             "scaling | current / keras2 |", "| --- |" + " --- |" * 8]
     for model, row in rows.items():
-        for stack in (s for s in row if s != "current_over_default"):
+        for stack in (s for s in row if s != "current_over_keras2"):
             overhead, scaling = row[stack]["overhead"], row[stack]["scaling"]
-            versus = ", ".join(f"{k} {v:.2f}" for k, v in row["current_over_default"].items()) \
+            versus = ", ".join(f"{k} {v:.2f}" for k, v in row["current_over_keras2"].items()) \
                 if stack == "current" else ""
             lines.append(f"| {model} | {stack} | {overhead['hvd_sgd_np1']:.0f} | {overhead['keras_np1']:.0f} | "
                          f"{overhead['ratio']:.2f} | {scaling['hvd_sgd_np2']:.0f} | {scaling['independent_2x1']:.0f} | "

@@ -11,7 +11,7 @@ from hvd_sgd.bench import contenders, decomposition, layout
 
 SUITES = ("overhead", "scaling", "peer", "allreduce", "tta", "lever", "stacks", "network", "project", "input",
           "precision", "layout")
-# lever: without and with one environment variable; stacks: needs the current stack set up too;
+# lever: without and with one environment variable; stacks: needs the keras2 stack set up too;
 # network: root and a virtual cluster (run/cluster); project: network's results; input: image files;
 # precision: float32 against mixed_bfloat16; layout: ranks x threads a node (bench.layout), for --models
 # (a user's package.module:function too) and --data-dir.
@@ -19,7 +19,7 @@ DEFAULT_SUITES = SUITES[:5]
 # The lever suite's, unless --lever names another: Open MPI's shared-memory transport then copies
 # messages through its shared segment instead of process to process (CMA), a lever left to the user.
 DEFAULT_LEVER = "OMPI_MCA_btl_vader_single_copy_mechanism=none"
-STACKS = ("default", "current")
+STACKS = ("current", "keras2")
 MODELS = ("softmax", "classic_cnn", "cnn")  # quick: the first two (the targets' models)
 # Each paired suite: hvd_sgd first, the contender it is measured against second (ratio = first / second).
 PAIRS = {
@@ -231,14 +231,14 @@ def precision_suite(plan):
 
 
 def stack_python(stack):
-    """The Python of a stack's installation (run/lib.sh): .venv, .venv-current beside it."""
-    prefix = sys.prefix.removesuffix("-current")
-    return os.path.join(prefix + ("-current" if stack == "current" else ""), "bin", "python")
+    """The Python of a stack's installation (run/lib.sh): .venv, .venv-keras2 beside it."""
+    prefix = sys.prefix.removesuffix("-keras2")
+    return os.path.join(prefix + ("-keras2" if stack == "keras2" else ""), "bin", "python")
 
 
 def stacks(plan):
     """The overhead and scaling suites on each stack (docs/guide.md, "Two stacks"), one after the other
-    for each model; then the current stack's hvd_sgd throughput over the default's, at 1 and 2 ranks."""
+    for each model; then the current stack's hvd_sgd throughput over the keras2 stack's, at 1 and 2 ranks."""
     rows = {}
     for model in plan.models:
         rows[model] = {}
@@ -247,10 +247,10 @@ def stacks(plan):
                 rows[model][stack] = {suite: paired(PAIRS[suite], model, STEPS[model, plan.quick], plan.rounds)
                                       for suite in ("overhead", "scaling")}
         by_stack = rows[model]
-        rows[model]["current_over_default"] = {
-            f"np{n}": by_stack["current"][suite][name] / by_stack["default"][suite][name]
+        rows[model]["current_over_keras2"] = {
+            f"np{n}": by_stack["current"][suite][name] / by_stack["keras2"][suite][name]
             for n, suite, name in ((1, "overhead", "hvd_sgd_np1"), (2, "scaling", "hvd_sgd_np2"))}
-        print(f"   {model}: {json.dumps(rows[model]['current_over_default'])}", flush=True)
+        print(f"   {model}: {json.dumps(rows[model]['current_over_keras2'])}", flush=True)
     return rows
 
 

@@ -100,17 +100,36 @@ def keras_recipe(train_examples, test_examples, epochs, threads):
 
 
 def mwms(model_name, global_batch, steps, threads):
+    """MultiWorkerMirroredStrategy's own training loop (TensorFlow's custom-loop recipe: the step under
+    ``strategy.run`` in one tf.function), as a user of Keras 3 writes it: Keras 3's ``fit`` cannot run
+    under this strategy (keras-team/keras#20585)."""
     splits, indices = _keras_setup(global_batch, steps, threads)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     with strategy.scope():
-        model = _compiled(model_name, splits)
-    timer = StepTimer(global_batch)
-    model.fit(batches.train_batches(splits, indices).with_options(options), epochs=1, steps_per_epoch=steps,
-              verbose=0, callbacks=[timer])
+        model = models.build(models.BUILT_IN[model_name], splits.input_shape, splits.num_classes, 1)
+        optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+        per_example = tf.keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+    data = iter(strategy.experimental_distribute_dataset(batches.train_batches(splits, indices).with_options(options)))
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(per_example(y, model(x, training=True)), global_batch_size=global_batch)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step(x, y):
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_step, args=(x, y)), axis=None)
+
+    for done in range(steps):
+        float(step(*next(data)))  # waits for the step, as a Keras callback's logs do
+        if done == 0:  # the first step traces the graph
+            start = time.perf_counter()
     if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0:
-        protocol.report(dict(images_per_second=timer.images_per_second()))
+        protocol.report(dict(images_per_second=(steps - 1) * global_batch / (time.perf_counter() - start)))
 
 
 ALLREDUCE_BLOCK_SECONDS = 0.1

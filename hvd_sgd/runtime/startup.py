@@ -144,9 +144,7 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True, timeline=False
     else:
         device = "CPU"
     cpu_share = _bind_to_cpu_share(bind_cpus)  # binds, whatever --threads-per-rank says
-    threads = threads_per_rank or cpu_share
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
+    threads = _use_threads(threads_per_rank or cpu_share)
     from hvd_sgd.runtime.world import World  # imports Horovod's extension: only once it is known to load
     return World(device, threads, dict(imports=imported, horovod=time.time()))
 
@@ -203,3 +201,14 @@ def _bind_to_cpu_share(bind):
             with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
                 os.sched_setaffinity(int(thread), own)
     return max(1, len(own))
+
+
+def _use_threads(threads):
+    """TensorFlow's thread pools of ``threads``; the number it has. Its pools are fixed once its runtime
+    has started in this process (hvd_sgd.fit called in a notebook, or a second time): then it keeps them."""
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
+        return threads
+    except RuntimeError:
+        return tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()

@@ -153,8 +153,13 @@ class Watchdog:
                 lost = self.link.silent_for(unreachable_after(), woke)
                 if lost:
                     self._fire_unreachable(lost)
-            if woke - self.last_progress > self.timeout and not self._rank_0_progresses():
+            if self.stalled(woke):
                 self._fire()
+
+    def stalled(self, now):
+        """No progress on this rank for longer than the timeout, and none on rank 0 either (when it
+        works alone, a checkpoint, this rank only waits for it)."""
+        return now - self.last_progress > self.timeout and not self._rank_0_progresses()
 
     def _beat(self):
         path = os.path.join(self.directory, f"rank-{self.rank}")

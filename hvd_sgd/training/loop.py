@@ -177,6 +177,7 @@ def train_elastically(trainer, commit_every_steps):
         trainer.plan = RunPlan.for_training(trainer.optimization, job.world.size, trainer.plan.num_examples,
                                             steps_per_epoch=elastic.steps_per_epoch)
         state.follow(trainer.plan)
+        trainer.outputs.follow_chief()
         job.world.check_identical(state.variables(), "after the (re)start")
         job.world.log(f"hvd_sgd: elastic (re)start at step {elastic.step} with {job.world.size} rank(s)")
         return trainer.run(commit)

@@ -19,11 +19,24 @@ class Outputs:
     def __init__(self, outputs, checkpointing, world, watchdog):
         """``outputs``, ``checkpointing``: the configuration's sections (hvd_sgd.config)."""
         self.cfg, self.checkpointing, self.world, self.watchdog = outputs, checkpointing, world, watchdog
-        self.writes = world.is_chief
         self.summaries = self.checkpoints = self.series = None
         # --timeline-steps, parsed once: the loop asks before and after every step.
         self.timeline_window = outputs.timeline_window() if outputs.timeline else None
         self.timeline_on = False
+
+    @property
+    def writes(self):
+        """Whether this rank writes: rank 0, asked each time (an elastic job renumbers its ranks)."""
+        return self.world.is_chief
+
+    def follow_chief(self):
+        """At an elastic (re)start: a rank that has become rank 0 (the first one left the job) goes on
+        with the series and TensorBoard's log, and writes the model and the summary at the end. The
+        checkpoints stay with the first rank 0 (their directory is locked to its process)."""
+        if self.writes and self.cfg.metrics_file and self.series is None:
+            self.series = open(series_path(self.cfg.metrics_file), "a")
+        if self.writes and self.cfg.log_dir and self.summaries is None:
+            self.summaries = tf.summary.create_file_writer(self.cfg.log_dir)
 
     def check(self, plan):
         """Rank 0 can write every file asked for (else a JobError); TensorBoard's writer opens. The
@@ -71,14 +84,14 @@ class Outputs:
 
     def scalars(self, step, values):
         """TensorBoard scalars {name: value} at ``step``."""
-        if self.summaries:
+        if self.summaries and self.writes:
             with self.summaries.as_default(step=step):
                 for name, value in values.items():
                     tf.summary.scalar(name, value)
 
     def interval(self, record):
         """One line of the metrics series: JSON Lines (pandas.read_json(path, lines=True))."""
-        if self.series:
+        if self.series and self.writes:
             self.series.write(json.dumps(record) + "\n")
             self.series.flush()
 
@@ -116,7 +129,8 @@ class Outputs:
             models.export(model, self.cfg.save_model)
             self.world.log(f"Model saved to {self.cfg.save_model}")
         if self.cfg.metrics_file:
-            self.series.close()
+            if self.series:
+                self.series.close()
             files.write_json(self.cfg.metrics_file, summary)
 
 
