@@ -33,10 +33,15 @@ class Outputs:
         """At an elastic (re)start: a rank that has become rank 0 (the first one left the job) goes on
         with the series and TensorBoard's log, and writes the model and the summary at the end. The
         checkpoints stay with the first rank 0 (their directory is locked to its process)."""
-        if self.writes and self.cfg.metrics_file and self.series is None:
-            self.series = open(series_path(self.cfg.metrics_file), "a")
-        if self.writes and self.cfg.log_dir and self.summaries is None:
+        if self.writes:
+            self._open_logs(series_mode="a")
+
+    def _open_logs(self, series_mode):
+        """TensorBoard's writer and the metrics series, unless this rank has them open."""
+        if self.cfg.log_dir and self.summaries is None:
             self.summaries = tf.summary.create_file_writer(self.cfg.log_dir)
+        if self.cfg.metrics_file and self.series is None:
+            self.series = open(series_path(self.cfg.metrics_file), series_mode)
 
     def check(self, plan):
         """Rank 0 can write every file asked for (else a JobError); TensorBoard's writer opens. The
@@ -51,10 +56,8 @@ class Outputs:
                 files.check_writable(files.parent(path), f"{flag} {path}")
         if self.cfg.log_dir:
             files.check_writable(self.cfg.log_dir, f"--log-dir {self.cfg.log_dir}")
-            self.summaries = tf.summary.create_file_writer(self.cfg.log_dir)
-        if self.cfg.metrics_file:
-            # A resumed run goes on with its series; another run starts its own.
-            self.series = open(series_path(self.cfg.metrics_file), "a" if self.checkpointing.resume else "w")
+        # A resumed run goes on with its series; another run starts its own.
+        self._open_logs(series_mode="a" if self.checkpointing.resume else "w")
 
     def check_exportable(self, model):
         """--save-model can write ``model`` (on every rank: it is each rank's model that would fail)."""
