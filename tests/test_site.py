@@ -153,7 +153,7 @@ def test_setup_as_a_user_with_no_root_and_no_mpi_names_what_to_load(public_tmp):
 @pytest.mark.slow
 def test_setup_with_nothing_changed_only_checks():
     """run/setup a second time (run/test ran it first): it says nothing, installs nothing, and takes
-    about a second (here 0.6 s; the bound is for a loaded machine, not a benchmark)."""
+    about a second (the bound is for a loaded machine, not a benchmark)."""
     started = time.monotonic()
     result = subprocess.run([ROOT / "run" / "setup"], env=dict(os.environ, HVD_SGD_STACK=STACK), capture_output=True,
                             text=True, timeout=120)
