@@ -27,8 +27,9 @@ collect_ignore = ["horovod"]  # Horovod's own tests, which test_horovod_suite ru
 PYTHON = sys.executable
 STACK = "current" if distributed.KERAS_3 else "keras2"  # the stack of this Python (run/lib.sh)
 # Tagged output of the launchers: "[1,0]<stdout>:" (mpirun --tag-output), "[0]<stdout>:" (Gloo),
-# "[0] " (horovodrun over MPICH: -prepend-rank); Open MPI 5 puts a space after the tag.
-_TAG = re.compile(r"^(\[[\d,]+\]<std(?:out|err)>: ?|\[\d+\] )")
+# "[0] " (horovodrun over MPICH: -prepend-rank); Open MPI 5 puts a space after the tag. Open MPI
+# tags every chunk it reads, so an unbuffered print(a, b) can carry tags inside its line too.
+_TAG = re.compile(r"\[[\d,]+\]<std(?:out|err)>: ?|^\[\d+\] ")
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ from conftest import PYTHON, ROOT, assert_same_weights, launch, reported_accurac
 from hvd_sgd.bench import launchers
 from hvd_sgd.bench import layout, record, report
 from hvd_sgd.bench.decomposition import PARTS
-from hvd_sgd.bench.suites import stack_python
+from hvd_sgd.bench.suites import INPUT_EXAMPLES, stack_python
 
 
 @pytest.mark.slow
@@ -212,7 +212,8 @@ def test_the_input_and_precision_suites_report_each_source_and_precision(tmp_pat
     assert name == "classic_cnn 64x64x3" and min(row[k] for k in ("memory", "folder", "tfrecord")) > 0
     assert row["folder_over_memory"] > 0 and row["tfrecord_over_memory"] > 0 and min(row["decode_per_second"].values()) > 0
     for source, evaluation in row["evaluation"].items():  # the same count, whichever ranks evaluate
-        assert evaluation["correct_alone"] == evaluation["correct_together"] and evaluation["correct_alone"][1] == 1000
+        assert evaluation["correct_alone"] == evaluation["correct_together"]
+        assert evaluation["correct_alone"][1] == INPUT_EXAMPLES[True][1]  # of every test image
         assert len(evaluation["alone"]) == len(evaluation["together"]) > 0 and min(evaluation["together"]) > 0
     recipe = suites["input"]["recipe"]["runs"]
     assert [len(runs) for runs in recipe.values()] == [1, 1] and all(0.1 < runs[0]["accuracy"] <= 1 for runs in recipe.values())

@@ -177,7 +177,7 @@ model.fit(x[mine] / 255.0, y[mine], batch_size=64, epochs=1, verbose=0,
           callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
 crcs = hvd_tf.allgather_object(zlib.crc32(b"".join(w.tobytes() for w in model.get_weights())))
 if hvd.rank() == 0:
-    print("CRCS", crcs)
+    print("CRCS " + str(crcs))
 """
 
 

@@ -4,6 +4,7 @@ Each bad input must give one line naming the problem, from one rank; a non-zero 
 rank; no hang; and no output left behind that looks valid."""
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -417,6 +418,31 @@ def test_heartbeat_directories_left_by_killed_jobs_are_swept(tmp_path):
         os.utime(directory, (day_old, day_old))
     watchdog.remove_stale_heartbeats(str(tmp_path))
     assert not dead.exists() and live.exists() and other.exists()
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+@pytest.mark.both_stacks
+def test_a_checkpoint_restores_batch_normalizations_moving_statistics(tmp_path):
+    """Keras 3 puts the trainable variables in a checkpoint through the optimizer; the moving
+    statistics, which no optimizer holds, must come through the model."""
+    import tensorflow as tf
+    from hvd_sgd.training import checkpoint
+
+    def trained_state(statistics):
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.BatchNormalization()])
+        optimizer = tf.keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+        model.layers[0].moving_mean.assign(statistics)
+        return dict(model=model, optimizer=optimizer, step=tf.Variable(5, dtype=tf.int64))
+
+    saved = checkpoint.Checkpoints(str(tmp_path / "a"), False, print, 64, **trained_state([1.0, 2.0, 3.0]))
+    saved.save(5)
+    # a copy, to restore from: the first directory's lock is this process's for its life
+    shutil.copytree(tmp_path / "a", tmp_path / "b", ignore=shutil.ignore_patterns(checkpoint.LOCK_FILE))
+    fresh = trained_state([0.0, 0.0, 0.0])
+    checkpoint.Checkpoints(str(tmp_path / "b"), True, print, 64, **fresh).restore_latest()
+    assert fresh["model"].layers[0].moving_mean.numpy().tolist() == [1.0, 2.0, 3.0]
 
 
 # --- damaged checkpoints, divergence ----------------------------------------------------------

@@ -28,8 +28,8 @@ PAIRS = {
     "peer": (contenders.hvd_sgd_np2, contenders.mwms_np2),
 }
 TTA_CONTENDERS = ("hvd_sgd_np1", "hvd_sgd_np2", "keras")
-STEPS = {("softmax", True): 300, ("softmax", False): 3000, ("classic_cnn", True): 40, ("classic_cnn", False): 300,
-         ("cnn", True): 100, ("cnn", False): 1000, ("resnet20", True): 10, ("resnet20", False): 100}  # (model, quick)
+STEPS = {("softmax", True): 300, ("softmax", False): 3000, ("classic_cnn", True): 20, ("classic_cnn", False): 300,
+         ("cnn", True): 40, ("cnn", False): 1000, ("resnet20", True): 10, ("resnet20", False): 100}  # (model, quick)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,7 @@ def run(plan):
 
 # The input suite's sets: (model, pixels square, colour) on MNIST's first examples (quick: fewer).
 INPUT_SETS = (("classic_cnn", 64, True), ("cnn", 28, False))
-INPUT_EXAMPLES = {True: (2048, 1000), False: (8192, 10000)}  # (train, test) by quick
+INPUT_EXAMPLES = {True: (1024, 500), False: (8192, 10000)}  # (train, test) by quick
 EVALUATION_REPEATS = {True: 1, False: 5}  # by quick
 
 

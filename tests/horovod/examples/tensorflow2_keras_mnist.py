@@ -96,8 +96,8 @@ def main():
 
     # Train the model.
     # Horovod: adjust number of steps based on number of GPUs.
-    # hvd_sgd: 100 steps and 2 epochs, not 500 and 24
-    mnist_model.fit(dataset, steps_per_epoch=100 // hvd.size(), callbacks=callbacks, epochs=2, verbose=verbose)
+    # hvd_sgd: 50 steps and 2 epochs, not 500 and 24
+    mnist_model.fit(dataset, steps_per_epoch=50 // hvd.size(), callbacks=callbacks, epochs=2, verbose=verbose)
 
 
 if __name__ == '__main__':

@@ -107,8 +107,8 @@ if hvd.rank() == 0:
 # Horovod: adjust number of steps based on number of GPUs.
 @hvd.elastic.run
 def train(state):
-    # hvd_sgd: 100 steps and 2 epochs, not 500 and 24
-    state.model.fit(dataset, steps_per_epoch=100 // hvd.size(),
+    # hvd_sgd: 50 steps and 2 epochs, not 500 and 24
+    state.model.fit(dataset, steps_per_epoch=50 // hvd.size(),
                     epochs=2-state.epoch, callbacks=callbacks,
                     verbose=1)
 

@@ -86,8 +86,8 @@ def main():
         return loss_value
 
     # Horovod: adjust number of steps based on number of GPUs.
-    # hvd_sgd: 200 steps, not 10000
-    for batch, (images, labels) in enumerate(dataset.take(200 // hvd.size())):
+    # hvd_sgd: 100 steps, not 10000
+    for batch, (images, labels) in enumerate(dataset.take(100 // hvd.size())):
         loss_value = training_step(images, labels, batch == 0)
 
         if batch % 10 == 0 and hvd.rank() == 0:
