@@ -164,17 +164,19 @@ def test_setup_with_nothing_changed_only_checks():
 
 # --- the site's MPI ----------------------------------------------------------------------------------
 
-# PyPI's MPI wheels, kept beside run/setup's Horovod wheels: only their first download needs the index.
-SITE_MPI_WHEELS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hvd_sgd" / "wheels" / "site-mpis"
+# PyPI's MPI wheels, kept beside run/setup's Horovod wheels (its ${XDG_CACHE_HOME:-~/.cache}): only
+# their first download needs the index.
+SITE_MPI_WHEELS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hvd_sgd" / "wheels" / "site-mpis"
 
 
 def site_mpi(public_tmp, name):
     """PyPI's ``name`` MPI under a prefix of its own, and the variables `module load` would set."""
     prefix = public_tmp / f"site-{name}"
-    pip = ["python3", "-m", "pip", "-q", "--disable-pip-version-check"]
-    if not any(SITE_MPI_WHEELS.glob(f"{SITE_MPIS[name].replace('==', '-')}-*.whl")):
-        subprocess.run([*pip, "download", "--no-deps", "-d", SITE_MPI_WHEELS, SITE_MPIS[name]], check=True, timeout=600)
     if not (prefix / "bin" / "mpicc").exists():
+        pip = ["python3", "-m", "pip", "-q", "--disable-pip-version-check"]
+        if not any(SITE_MPI_WHEELS.glob(f"{SITE_MPIS[name].replace('==', '-')}-*.whl")):
+            subprocess.run([*pip, "download", "--no-deps", "-d", SITE_MPI_WHEELS, SITE_MPIS[name]], check=True,
+                           timeout=600)
         subprocess.run([*pip, "install", "--no-index", "--find-links", SITE_MPI_WHEELS, "--prefix", prefix,
                         SITE_MPIS[name]], check=True, timeout=600)
     return dict(PATH=f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin", LD_LIBRARY_PATH=f"{prefix}/lib")
