@@ -29,39 +29,53 @@ def test_every_launcher_trains_and_ranks_end_identical(launcher, np_, tmp_path, 
 
 
 def test_throughput_counts_the_training_steps_only(monkeypatch):
-    """Not the first step (it traces), nor evaluations, nor what happens after the last step."""
+    """Not a compiled step's first call (it traces), nor evaluations, nor what happens after the last step."""
     from hvd_sgd.training import progress
     now = [0.0]
     monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
     clock = progress.StepClock()
     clock.start(0)
-    for seconds in (5.0, 1.5):
+    for seconds, counted in ((5.0, False), (1.5, True), (4.0, False), (1.5, True)):  # each graph's first call
         now[0] += seconds
-        clock.step_done(100, (now[0] - 1, now[0] - 1, now[0], now[0]))
+        clock.step_done(100, now[0] - 1, now[0], counted=counted)
     with clock.paused():
         now[0] += 30.0  # an evaluation
     now[0] += 0.5
-    clock.step_done(100, (now[0] - 0.5, now[0] - 0.5, now[0], now[0]))
+    clock.step_done(100, now[0] - 0.5, now[0])
     now[0] += 60.0  # tearing down the input pipeline, writing the model
-    assert clock.images_per_second() == 2 * 100 / 2.0
-    assert clock.wall_seconds() == 97.0
+    assert clock.images_per_second() == 3 * 100 / 3.5
+    assert clock.wall_seconds() == 102.5
 
 
-def test_a_steps_parts_are_its_times_differences_and_the_loops_is_between_steps():
-    """input, compute, all-reduce from the step's own times; the loop's from the last step's end to
-    this one's start, but not across a pause (an evaluation is not the loop's)."""
+def test_a_steps_parts_are_the_sampled_steps_times_and_the_loops_is_between_every_two_steps():
+    """input, compute, all-reduce from the sampled steps' own times; the loop's from every step's
+    return to the next call, and from a sampled call to its graph's start, but not across a pause (an
+    evaluation is not the loop's)."""
     from hvd_sgd.training import progress
     clock = progress.StepClock()
     clock.start(0)
-    clock.step_done(64, (0.0, 0.1, 5.0, 5.2))  # the first step traces: not counted
-    clock.step_done(64, (5.3, 5.35, 5.75, 5.85))
-    clock.step_done(64, (5.95, 6.0, 6.3, 6.45))
-    np.testing.assert_allclose(clock.take_parts(), [0.05, 0.35, 0.125, 0.1])  # seconds a step
+    clock.step_done(64, 0.0, 5.2, (0.0, 0.1, 5.0), counted=False)  # the first call traces: not counted
+    clock.step_done(64, 5.3, 5.85, (5.3, 5.35, 5.75))
+    clock.step_done(64, 5.95, 6.45)  # not sampled: its gap before counts, its parts are not known
+    clock.step_done(64, 6.55, 7.0, (6.6, 6.7, 6.8))
+    np.testing.assert_allclose(clock.take_parts(), [0.075, 0.25, 0.15, 0.125])  # seconds a step
     with clock.paused():
         pass
-    clock.step_done(64, (100.0, 100.1, 100.5, 100.6))
+    clock.step_done(64, 100.0, 100.6, (100.0, 100.1, 100.5))
     np.testing.assert_allclose(clock.take_parts(), [0.1, 0.4, 0.1, 0.0])
     np.testing.assert_allclose(clock.take_parts(), [0.0, 0.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("log_every", [50, 7, 1])
+def test_one_step_in_ten_is_sampled_and_every_interval_has_one(log_every):
+    from hvd_sgd.training import progress
+    total = 123
+    steps = [n for n in range(1, total + 1) if progress.sampled(n, log_every, total)]
+    intervals = [range(start + 1, min(start + log_every, total) + 1) for start in range(0, total, log_every)]
+    assert all(any(n in steps for n in interval) for interval in intervals)
+    assert len(steps) <= total // progress.SAMPLE_EVERY_STEPS + len(intervals)
+    if log_every == 50:
+        assert steps == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 123]
 
 
 PLACEMENT = r"""

@@ -9,7 +9,7 @@ from hvd_sgd.data import batches
 from hvd_sgd.runtime import cli
 from hvd_sgd.training import distributed, models, precision, schedules
 from hvd_sgd.training.plan import RunPlan
-from hvd_sgd.training.progress import Progress, StepClock, finite
+from hvd_sgd.training.progress import Progress, StepClock, finite, sampled
 
 
 @dataclasses.dataclass
@@ -53,9 +53,9 @@ class Trainer:
         first = int(self.state.step.numpy())
         indices, drawn = batches.rank_batches(plan, world.rank, seed, first,
                                               self.data.input_shape[:2] if self.data_cfg.augment else None)
-        train_step = _make_train_step(self.state, plan.backward_passes,
-                                      models.smoothed_cross_entropy(self.optimization.label_smoothing),
-                                      self.data.step_batches(indices, world.threads, drawn))
+        train_step = _TrainStep(self.state, plan.backward_passes,
+                                models.smoothed_cross_entropy(self.optimization.label_smoothing),
+                                self.data.step_batches(indices, world.threads, drawn))
         self.clock.start(first)
         self.progress = Progress(world, plan, self.clock, self.outputs, self.ranks.slow_rank_lag)
         try:
@@ -73,15 +73,18 @@ class Trainer:
         result, next_check, n = None, first + 1, first
         for row in indices:
             self.outputs.timeline_before(n + 1)
+            step, counted = train_step.compiled(sampled(n + 1, self.outputs.cfg.log_every_steps, plan.total_steps))
+            called = time.time()
             with _named_by_this_rank(lambda: self.data.undecodable_train(row)):
-                loss, n, times = train_step()
+                loss, n, *graph_times = step()
+            ended = time.time()
             n = int(n)  # the global step, as the step returns it: reading the variable would be an op more
-            times = (*times.numpy(), time.time())
             self.outputs.timeline_after(n)
             watchdog.progress(n)
             if after_step:
                 after_step(n)
-            self.clock.step_done(plan.global_batch, times)
+            self.clock.step_done(plan.global_batch, called, ended, graph_times[0].numpy() if graph_times else None,
+                                 counted)
             last_step, epoch_end = n == plan.total_steps, n % plan.steps_per_epoch == 0
             checkpoint_due = last_step or epoch_end or (every and n % every == 0)
             if last_step or n % self.outputs.cfg.log_every_steps == 0:
@@ -185,32 +188,44 @@ def train_elastically(trainer, commit_every_steps):
     return train(elastic)
 
 
-def _make_train_step(state, backward_passes, loss, next_batch):
-    """The compiled step, traced here, taking its batch itself: a tf.function binds and flattens
-    its arguments in Python at every call, which a short step notices (docs/design.md, "The step")."""
-    model, optimizer = state.model, state.optimizer
+class _TrainStep:
+    """The compiled step, taking its batch itself (a tf.function binds and flattens its arguments in
+    Python at every call, which a short step notices: docs/design.md, "The step"), in two graphs
+    traced at their first call: the plain one, and the sampled one that also notes its
+    progress.GRAPH_TIMES."""
 
-    def train_step():
-        """The step's loss, the global step after it, and its times but the end (progress.STEP_TIMES)."""
-        start = tf.timestamp()
-        with tf.control_dependencies([start]):
-            images, labels = next_batch()  # inside the graph: no Python hop per batch
-        with tf.control_dependencies([images, labels]):
-            input_ready = tf.timestamp()
-        # The model waits for that time: a timestamp no op waits for runs when a thread is free, and a
-        # rank's one thread goes on down the forward pass first.
-        with tf.control_dependencies([input_ready]):
-            images = tf.identity(images)
+    def __init__(self, state, backward_passes, loss, next_batch):
+        self.state, self.backward_passes, self.loss, self.next_batch = state, backward_passes, loss, next_batch
+        self.graphs = {}
+
+    def compiled(self, sampled):
+        """The graph to call; whether this call counts (not its first, which traces and optimizes it)."""
+        if sampled not in self.graphs:
+            self.graphs[sampled] = tf.function(lambda: self._step(sampled)).get_concrete_function()
+            return self.graphs[sampled], False
+        return self.graphs[sampled], True
+
+    def _step(self, sampled):
+        """The step's loss and the global step after it; sampled, its GRAPH_TIMES too."""
+        model, optimizer, passes = self.state.model, self.state.optimizer, self.backward_passes
+        start = tf.timestamp() if sampled else None
+        with tf.control_dependencies([start] if sampled else []):
+            images, labels = self.next_batch()  # inside the graph: no Python hop per batch
+        if sampled:
+            with tf.control_dependencies([images, labels]):
+                input_ready = tf.timestamp()
+            # The model waits for that time: a timestamp no op waits for runs when a thread is free,
+            # and a rank's one thread goes on down the forward pass first.
+            with tf.control_dependencies([input_ready]):
+                images = tf.identity(images)
         losses = []
         # One micro-batch per backward pass: the optimizer accumulates, then all-reduces and applies once.
-        for micro_images, micro_labels in zip(tf.split(images, backward_passes), tf.split(labels, backward_passes)):
-            with _TimedTape() as tape:
-                losses.append(loss(micro_labels, model(micro_images, training=True)))
+        for micro_images, micro_labels in zip(tf.split(images, passes), tf.split(labels, passes)):
+            with (_TimedTape() if sampled else tf.GradientTape()) as tape:
+                losses.append(self.loss(micro_labels, model(micro_images, training=True)))
             distributed.minimize(optimizer, losses[-1], model.trainable_variables, tape)
-        # Its end is when the call returns, every update done (the loop's clock, on the same wall clock).
-        return tf.add_n(losses) / backward_passes, state.step.assign_add(1), tf.stack([start, input_ready, tape.computed_at])
-
-    return tf.function(train_step).get_concrete_function()
+        outputs = (tf.add_n(losses) / passes, self.state.step.assign_add(1))
+        return outputs + (tf.stack([start, input_ready, tape.computed_at]),) if sampled else outputs
 
 
 class _TimedTape(tf.GradientTape):

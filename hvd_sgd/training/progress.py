@@ -1,12 +1,13 @@
 """Where a run's time goes, while it runs: the step clock, and every --log-every-steps interval
 the progress line, TensorBoard's scalars, the metrics series and the slow-rank line.
 
-Each step has four times (``STEP_TIMES``), on the wall clock: its start, its batch ready, its
-gradients all computed (noted by the step's compiled graph), and its end (when the call returns).
-Between them a rank's step is input, compute, and the all-reduce (with the wait for the slowest
-rank, and the update after it); between one step's end and the next one's start is hvd_sgd's own
-loop. The ranks share their figures once an interval, in the
-all-gather that averages the loss: every rank then holds every rank's, and rank 0 reports them.
+The loop notes when it calls each step and when the call returns. A sampled step (``sampled``) also
+notes three times in its compiled graph (``GRAPH_TIMES``): its start, its batch ready, its gradients
+all computed. Between them a step is input, compute, and the all-reduce (with the wait for the
+slowest rank, and the update after it) up to its return; between one step's return and the next
+call, and from a call to its graph's start, is hvd_sgd's own loop. The ranks share their figures once
+an interval, in the all-gather that averages the loss: every rank then holds every rank's, and rank
+0 reports them.
 """
 import contextlib
 import math
@@ -18,46 +19,61 @@ import numpy as np
 
 from hvd_sgd import JobError
 
-PARTS = ("input", "compute", "allreduce", "loop")  # a step's parts, in STEP_TIMES' order
-STEP_TIMES = ("start", "input_ready", "computed", "end")
+PARTS = ("input", "compute", "allreduce", "loop")  # a step's parts
+GRAPH_TIMES = ("start", "input_ready", "computed")  # a sampled step's, noted by its compiled graph
+# One step in this many is sampled: the graph's times cost a sampled step more than the whole run may
+# spend on them (docs/design.md, "Where a run's time goes").
+SAMPLE_EVERY_STEPS = 10
 SLOW_RANK_REPEAT_SECONDS = 60  # while a rank stays slow, its line again at most this often
 # A rank is named only if the others' wait for it is also this share of a step at least: on a step of
 # a few ms, a lag of a fraction of a ms is the machine's noise, and costs the job nothing to speak of.
 SLOW_RANK_MIN_STEP_SHARE = 0.1
 
 
+def sampled(step, log_every_steps, total_steps):
+    """Whether global ``step`` notes its parts' times: one in SAMPLE_EVERY_STEPS, and an interval's
+    last, so that every interval has one."""
+    return step % SAMPLE_EVERY_STEPS == 0 or step % log_every_steps == 0 or step == total_steps
+
+
 class StepClock:
     """Training throughput, progress times, and where this rank's steps spent their time.
 
-    Throughput counts from the end of the first step (which traces the graph) to the end of the
-    latest one, and leaves out what runs inside ``paused()``: evaluations, checkpoints, which are
-    not the loop's part either."""
+    Throughput counts every step but a compiled step's first call (which traces and optimizes its
+    graph), and leaves out what runs inside ``paused()``: evaluations, checkpoints, which are not
+    the loop's part either."""
 
     def __init__(self):
         self.created = time.perf_counter()
-        self.images, self.seconds, self.timed_steps = 0, 0.0, 0
+        self.images, self.seconds, self.counted_steps = 0, 0.0, 0
         self.last = self.first_step_at = None
         self.first_step = self.steps = 0
-        self.parts, self.parted_steps, self.last_end = np.zeros(len(PARTS)), 0, None
+        self._take()
+        self.last_end = None
 
     def start(self, step):
-        """A (re)start of the loop at global ``step``; its first step traces and is not timed."""
+        """A (re)start of the loop at global ``step``."""
         self.last, self.first_step, self.steps, self.last_end = None, step, 0, None
         self.started = time.perf_counter()
 
-    def step_done(self, images, times):
-        """A step of ``images`` examples over all ranks ended; ``times``: its STEP_TIMES (seconds)."""
+    def step_done(self, images, called, ended, graph_times=None, counted=True):
+        """A step of ``images`` examples over all ranks, called and returned at ``called`` and ``ended``
+        (time.time()); ``graph_times``: a sampled step's GRAPH_TIMES (seconds, the same clock);
+        ``counted``: False for a compiled step's first call, which traces and optimizes its graph."""
         now = time.perf_counter()
-        self.first_step_at = self.first_step_at or time.time()  # the first step traces the graph
-        if self.last is not None:
+        self.first_step_at = self.first_step_at or ended
+        if counted and self.last is not None:
             self.images += images
             self.seconds += now - self.last
-            self.timed_steps += 1
-            start, input_ready, computed, end = times
-            self.parts += (input_ready - start, computed - input_ready, end - computed,
-                           start - self.last_end if self.last_end is not None else 0.0)
-            self.parted_steps += 1
-        self.last, self.last_end = now, times[-1]
+            self.counted_steps += 1
+            if self.last_end is not None:
+                self.between += called - self.last_end
+                self.between_steps += 1
+            if graph_times is not None:
+                start, input_ready, computed = graph_times
+                self.parts += (input_ready - start, computed - input_ready, ended - computed, start - called)
+                self.sampled_steps += 1
+        self.last, self.last_end = now, ended
         self.steps += 1
 
     @contextlib.contextmanager
@@ -66,17 +82,22 @@ class StepClock:
         self.last, self.last_end = time.perf_counter(), None
 
     def take_parts(self):
-        """Seconds a step in each part since the last call (zeros before the first timed step)."""
-        parts = self.parts / max(1, self.parted_steps)
-        self.parts, self.parted_steps = np.zeros(len(PARTS)), 0
+        """Seconds a step in each part since the last call (zeros before the first counted step): the
+        sampled steps' parts, and the loop's between every two steps."""
+        parts = self.parts / max(1, self.sampled_steps)
+        parts[-1] += self.between / max(1, self.between_steps)
+        self._take()
         return parts
+
+    def _take(self):
+        self.parts, self.sampled_steps, self.between, self.between_steps = np.zeros(len(PARTS)), 0, 0.0, 0
 
     def images_per_second(self):
         return self.images / self.seconds if self.seconds > 0 else 0.0
 
     def seconds_per_step(self):
         """The mean of the timed steps; 0 before the first."""
-        return self.seconds / self.timed_steps if self.timed_steps else 0.0
+        return self.seconds / self.counted_steps if self.counted_steps else 0.0
 
     def wall_seconds(self):
         return time.perf_counter() - self.created
