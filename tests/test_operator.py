@@ -204,15 +204,17 @@ def named_slowest(busy_ms, step_ms=None, lag=1.0):
     said = []
     report = object.__new__(progress.Progress)
     report.world, report.hosts = types.SimpleNamespace(log=said.append), [f"node{r}" for r in range(len(busy_ms))]
-    report.slow_rank_lag, report.slow_named_at = lag, -float("inf")
+    report.slow_rank_lag, report.slow_named_at, report.slow_before = lag, -float("inf"), None
     busy = np.array(busy_ms, float) / 1e3
     wait = (max(busy_ms) if step_ms is None else step_ms) / 1e3 - busy
     parts = np.stack([np.zeros_like(busy), busy, wait, np.zeros_like(busy)], axis=1)
-    slowest, measured = report._slowest(parts)
+    report._slowest(parts)
+    assert not said, "named after one interval"
+    slowest, measured = report._slowest(parts)  # the same lag in the next interval
     return slowest, round(measured, 2), said
 
 
-def test_the_slowest_rank_is_named_against_the_others_median_once_a_minute():
+def test_the_slowest_rank_is_named_against_the_others_median_two_intervals_running_once_a_minute():
     assert named_slowest([10, 10, 10, 31])[:2] == (3, 2.1)
     assert "rank 3 (node3) is slow: 31.0 ms" in named_slowest([10, 10, 10, 31])[2][0]
     assert named_slowest([10, 10, 10, 19])[2] == []  # under twice the others'
@@ -223,8 +225,8 @@ def test_the_slowest_rank_is_named_against_the_others_median_once_a_minute():
     said = []
     report_twice.world, report_twice.hosts, report_twice.slow_rank_lag = types.SimpleNamespace(log=said.append), \
         ["a", "b"], 1.0
-    report_twice.slow_named_at = -float("inf")
-    parts = np.array([[0, 0.010, 0.030, 0], [0, 0.040, 0, 0]])
-    report_twice._slowest(parts)
-    report_twice._slowest(parts)  # within the minute: not again
-    assert len(said) == 1
+    report_twice.slow_named_at, report_twice.slow_before = -float("inf"), None
+    parts, even = np.array([[0, 0.010, 0.030, 0], [0, 0.040, 0, 0]]), np.array([[0, 0.010, 0, 0], [0, 0.010, 0, 0]])
+    for interval in (parts, even, parts, parts, parts):  # slow once, even, then slow three times running
+        report_twice._slowest(interval)
+    assert len(said) == 1  # the second of the three; within the minute, not again

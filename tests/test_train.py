@@ -66,16 +66,19 @@ def test_a_steps_parts_are_the_sampled_steps_times_and_the_loops_is_between_ever
     np.testing.assert_allclose(clock.take_parts(), [0.0, 0.0, 0.0, 0.0])
 
 
-@pytest.mark.parametrize("log_every", [50, 7, 1])
-def test_one_step_in_ten_is_sampled_and_every_interval_has_one(log_every):
+@pytest.mark.parametrize("log_every", [50, 200, 16, 7, 1])
+def test_one_step_in_ten_is_sampled_and_every_whole_interval_has_five(log_every):
     from hvd_sgd.training import progress
-    total = 123
+    total = 1234
     steps = [n for n in range(1, total + 1) if progress.sampled(n, log_every, total)]
     intervals = [range(start + 1, min(start + log_every, total) + 1) for start in range(0, total, log_every)]
-    assert all(any(n in steps for n in interval) for interval in intervals)
-    assert len(steps) <= total // progress.SAMPLE_EVERY_STEPS + len(intervals)
+    assert all(sum(n in interval for n in steps) >= min(len(interval), progress.MIN_SAMPLES)
+               for interval in intervals[:-1])
+    assert steps[-1] == total  # the last, partial interval has one too
+    if log_every >= 50:
+        assert len(steps) <= total // progress.SAMPLE_EVERY_STEPS + len(intervals)
     if log_every == 50:
-        assert steps == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 123]
+        assert steps[:13] == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 130]
 
 
 PLACEMENT = r"""

@@ -22,8 +22,10 @@ from hvd_sgd import JobError
 PARTS = ("input", "compute", "allreduce", "loop")  # a step's parts
 GRAPH_TIMES = ("start", "input_ready", "computed")  # a sampled step's, noted by its compiled graph
 # One step in this many is sampled: the graph's times cost a sampled step more than the whole run may
-# spend on them (docs/design.md, "Where a run's time goes").
+# spend on them (docs/design.md, "Where a run's time goes"). A shorter interval samples more often, so
+# that its figures, and the slow-rank rule, still rest on MIN_SAMPLES steps.
 SAMPLE_EVERY_STEPS = 10
+MIN_SAMPLES = 5
 SLOW_RANK_REPEAT_SECONDS = 60  # while a rank stays slow, its line again at most this often
 # A rank is named only if the others' wait for it is also this share of a step at least: on a step of
 # a few ms, a lag of a fraction of a ms is the machine's noise, and costs the job nothing to speak of.
@@ -31,9 +33,10 @@ SLOW_RANK_MIN_STEP_SHARE = 0.1
 
 
 def sampled(step, log_every_steps, total_steps):
-    """Whether global ``step`` notes its parts' times: one in SAMPLE_EVERY_STEPS, and an interval's
-    last, so that every interval has one."""
-    return step % SAMPLE_EVERY_STEPS == 0 or step % log_every_steps == 0 or step == total_steps
+    """Whether global ``step`` notes its parts' times: one in SAMPLE_EVERY_STEPS (more often in an
+    interval shorter than MIN_SAMPLES of those), and an interval's last."""
+    every = max(1, min(SAMPLE_EVERY_STEPS, log_every_steps // MIN_SAMPLES))
+    return step % every == 0 or step % log_every_steps == 0 or step == total_steps
 
 
 class StepClock:
@@ -114,7 +117,7 @@ class Progress:
         import horovod.tensorflow as hvd
         self.world, self.plan, self.clock, self.outputs, self.slow_rank_lag = world, plan, clock, outputs, slow_rank_lag
         self.hosts = hvd.allgather_object(socket.gethostname())
-        self.slow_named_at = -math.inf
+        self.slow_named_at, self.slow_before = -math.inf, None
 
     def report(self, step, loss, learning_rate, check_finite):
         """Every rank's figures of the interval ending at global ``step``, gathered; the loss averaged
@@ -147,7 +150,8 @@ class Progress:
     def _slowest(self, parts):
         """The rank whose input and compute took longest a step, and its lag on the median of the
         other ranks (every rank waits for it in each all-reduce); the line naming it, when the lag
-        passes --slow-rank-lag, at most once a SLOW_RANK_REPEAT_SECONDS while it lasts."""
+        passes --slow-rank-lag in two intervals running (one interval's few sampled steps can catch
+        a rank that lost its core once), at most once a SLOW_RANK_REPEAT_SECONDS while it lasts."""
         busy = parts[:, 0] + parts[:, 1]
         if len(busy) < 2:
             return None, 0.0
@@ -157,8 +161,9 @@ class Progress:
             return None, 0.0
         lag = float(busy[slowest] / median - 1)
         costly = busy[slowest] - median >= SLOW_RANK_MIN_STEP_SHARE * parts.sum(axis=1).mean()
-        if self.slow_rank_lag and lag > self.slow_rank_lag and costly and \
-                time.monotonic() - self.slow_named_at >= SLOW_RANK_REPEAT_SECONDS:
+        over = bool(self.slow_rank_lag) and lag > self.slow_rank_lag and costly
+        again, self.slow_before = over and self.slow_before == slowest, slowest if over else None
+        if again and time.monotonic() - self.slow_named_at >= SLOW_RANK_REPEAT_SECONDS:
             self.slow_named_at = time.monotonic()
             self.world.log(f"hvd_sgd: rank {slowest} ({self.hosts[slowest]}) is slow: {busy[slowest] * 1e3:.1f} ms a "
                            f"step of input and compute against the other ranks' median {median * 1e3:.1f} ms (+{lag:.0%}); "
