@@ -176,23 +176,34 @@ def test_float32_gets_a_hint_where_the_cpu_computes_bfloat16(flags, hinted):
     assert (said is not None) == hinted, said
     if hinted:
         assert said.startswith("hint: ") and "--precision mixed_bfloat16" in said and "as fast as float32" in said
-    assert checked("mixed_bfloat16", flags) is None
+
+
+@pytest.mark.parametrize("flags,refused", [(ZEN4, False), (SAPPHIRE_RAPIDS, False), (ZEN3, True)])
+def test_bfloat16_is_refused_on_a_cpu_without_its_arithmetic(flags, refused):
+    said = checked("mixed_bfloat16", flags)
+    assert (said is not None) == refused, said
+    if refused:
+        assert said.startswith("error: --precision mixed_bfloat16: this CPU has no bfloat16 arithmetic")
+        assert "slower than float32" in said and "use float32, or add --force-precision" in said, said
+    assert checked("mixed_bfloat16", flags, force=True) is None
+    assert checked("mixed_bfloat16", flags, device="GPU /physical_device:GPU:0") is None
 
 
 @pytest.mark.slow
 def test_this_cpus_flags_decide_end_to_end(tmp_path):
-    """The rule on this machine's own flags: mixed_float16 refused (or trained, where the CPU has float16
-    arithmetic), float32 hinted where it computes bfloat16."""
+    """The rule on this machine's own flags: each 16-bit precision refused (or trained, where the CPU has
+    its arithmetic), float32 hinted where it computes bfloat16."""
     flags = precision.cpu_flags()
-    native_float16 = bool(flags & set(precision.NATIVE["mixed_float16"]))
-    float16 = launch("mpirun", 2, *SHORT, "--max-steps", 5, "--precision", "mixed_float16", timeout=180)
-    if native_float16:
-        succeeded(float16)
-    else:
-        [line] = error_lines(float16)
-        assert "no float16 arithmetic" in line and "Traceback" not in float16.stderr, line
-        succeeded(launch("mpirun", 2, *SHORT, "--max-steps", 5, "--precision", "mixed_float16", "--force-precision",
-                         timeout=300))
+    for chosen, native in precision.NATIVE.items():
+        run = launch("mpirun", 2, *SHORT, "--max-steps", 5, "--precision", chosen, timeout=180)
+        if flags & set(native):
+            succeeded(run)
+            continue
+        [line] = error_lines(run)
+        assert f"no {chosen.removeprefix('mixed_')} arithmetic" in line and "Traceback" not in run.stderr, line
+        if chosen == "mixed_float16":  # forced, it trains (mixed_bfloat16's semantics: test_precision.py)
+            succeeded(launch("mpirun", 2, *SHORT, "--max-steps", 5, "--precision", chosen, "--force-precision",
+                             timeout=300))
     float32 = succeeded(launch("mpirun", 2, *SHORT, "--max-steps", 5, timeout=180))
     hints = [line for line in output_lines(float32.stdout) if line.startswith("hint: ")]
     assert len(hints) == (1 if flags & set(precision.NATIVE["mixed_bfloat16"]) else 0), hints

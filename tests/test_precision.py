@@ -45,9 +45,9 @@ OVERFLOW = textwrap.dedent('''
 SHORT = ["--train-examples", 1024, "--test-examples", 500, "--seed", 3, "--log-every-steps", 5]
 
 def precision_flags(precision):
-    """``--precision``, forced for mixed_float16: what these tests check is its semantics, which hvd_sgd
-    refuses to train in on a CPU without float16 arithmetic unless forced (test_operator.py)."""
-    return ["--precision", precision, *(["--force-precision"] if precision == "mixed_float16" else [])]
+    """``--precision``, forced for a 16-bit type: what these tests check is its semantics, which hvd_sgd
+    refuses to train in on a CPU without that type's arithmetic unless forced (test_operator.py)."""
+    return ["--precision", precision, *(["--force-precision"] if precision != "float32" else [])]
 
 INITIAL_SCALE = 2.0 ** 15  # Keras' dynamic loss scale at the start (both stacks); it doubles every 2000 steps
 
@@ -151,8 +151,8 @@ def test_fp16_allreduce_with_mixed_precision_keeps_the_ranks_identical_and_learn
 def test_a_model_trained_in_mixed_precision_is_saved_in_float32(tmp_path):
     import tensorflow as tf
     path = tmp_path / "m.keras"
-    succeeded(launch("mpirun", 2, "--model", "cnn", *SHORT, "--max-steps", 10, "--precision", "mixed_bfloat16",
-                     "--save-model", path))
+    succeeded(launch("mpirun", 2, "--model", "cnn", *SHORT, "--max-steps", 10,
+                     *precision_flags("mixed_bfloat16"), "--save-model", path))
     model = tf.keras.models.load_model(path)
     assert {layer.dtype for layer in model.layers} == {"float32"}
     assert model.predict(np.zeros((2, 28, 28, 1), np.float32), verbose=0).dtype == np.float32
@@ -195,6 +195,6 @@ def test_a_subclassed_model_trains_in_mixed_precision_with_float32_logits(tmp_pa
     the optimizer sees its weights."""
     metrics = tmp_path / "m.json"
     succeeded(launch("mpirun", 2, "--model", "examples.custom_model:small_cnn_subclassed", *SHORT, "--max-steps", 30,
-                     "--precision", "mixed_bfloat16", "--metrics-file", metrics))
+                     *precision_flags("mixed_bfloat16"), "--metrics-file", metrics))
     summary = read_json(metrics)
     assert len(set(summary["weight_checksums"])) == 1 and summary["test_accuracy"] > 0.5

@@ -210,7 +210,7 @@ def precision_suite(plan):
             for i in range(plan.rounds):
                 for p in (PRECISIONS if i % 2 == 0 else PRECISIONS[::-1]):
                     runs[p].append(contenders.hvd_sgd_throughput(np_, model, STEPS[model, plan.quick],
-                                                                 extra=("--precision", p)))
+                                                                 extra=("--precision", p, "--force-precision")))
             rows["throughput"][f"{model} np{np_}"] = dict(
                 **{p: statistics.median(v) for p, v in runs.items()},
                 ratio=statistics.median(b / f for b, f in zip(runs["mixed_bfloat16"], runs["float32"])), rounds=runs)
@@ -220,7 +220,8 @@ def precision_suite(plan):
         for p in PRECISIONS:
             runs = []
             for seed in (1,) if plan.quick else (1, 2, 3):
-                metrics, launched, _ = contenders.recipe(2, "--dataset", dataset, "--precision", p, "--seed", seed,
+                metrics, launched, _ = contenders.recipe(2, "--dataset", dataset, "--precision", p, "--force-precision",
+                                                         "--seed", seed,
                                                          *subset)
                 reached = next((e for e in metrics["evaluations"] if e["accuracy"] >= 0.99), None)
                 runs.append(dict(seed=seed, accuracy=metrics["test_accuracy"],

@@ -19,8 +19,9 @@ from hvd_sgd.training import distributed
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 # The CPU flags (/proc/cpuinfo) of arithmetic in each 16-bit type; without them TensorFlow converts.
 NATIVE = {"mixed_float16": ("avx512_fp16", "amx_fp16"), "mixed_bfloat16": ("avx512_bf16", "amx_bf16")}
-# What the precision suite measured, quoted by check's lines (docs/design.md, "Mixed precision").
-FLOAT16_EMULATED = "65x slower than float32 (the default CNN on 2 ranks of a Zen 4)"
+# What was measured, quoted by check's lines (docs/design.md, "Mixed precision").
+EMULATED = {"mixed_float16": "65x slower than float32 (the default CNN on 2 ranks of a Zen 4)",
+            "mixed_bfloat16": "10x slower than float32 (the default CNN on 2 ranks of a Zen 3)"}
 BFLOAT16_NATIVE = "1.28x as fast as float32 on Zen 4, 1.32x on Intel with AMX (the default CNN on 2 ranks)"
 
 
@@ -31,19 +32,20 @@ def cpu_flags(cpuinfo="/proc/cpuinfo"):
 
 
 def check(numerics, device, flags, log):
-    """No precision trap on a CPU: ``mixed_float16`` where the CPU has no float16 arithmetic is a
-    JobError (unless --force-precision), and float32 where it computes bfloat16 natively gets one
-    hint line (``log``). ``numerics``: the configuration's section; ``device``: the rank's (a GPU
-    has both types)."""
+    """No precision trap on a CPU: a 16-bit precision where the CPU has no arithmetic in that type
+    is a JobError (unless --force-precision), and float32 where it computes bfloat16 natively gets
+    one hint line (``log``). ``numerics``: the configuration's section; ``device``: the rank's (a
+    GPU has both types)."""
     if device != "CPU":
         return
     has = {precision: sorted(flags & set(names)) for precision, names in NATIVE.items()}
-    if numerics.precision == "mixed_float16" and not has["mixed_float16"] and not numerics.force_precision:
-        bfloat16 = (f"--precision mixed_bfloat16 (this CPU has {', '.join(has['mixed_bfloat16'])})"
-                    if has["mixed_bfloat16"] else "float32")
-        raise JobError(f"--precision mixed_float16: this CPU has no float16 arithmetic (no "
-                       f"{' or '.join(NATIVE['mixed_float16'])}), so it trains {FLOAT16_EMULATED}: use "
-                       f"{bfloat16}, or add --force-precision")
+    chosen = numerics.precision
+    if chosen in NATIVE and not has[chosen] and not numerics.force_precision:
+        instead = (f"--precision mixed_bfloat16 (this CPU has {', '.join(has['mixed_bfloat16'])})"
+                   if chosen == "mixed_float16" and has["mixed_bfloat16"] else "float32")
+        raise JobError(f"--precision {chosen}: this CPU has no {chosen.removeprefix('mixed_')} arithmetic (no "
+                       f"{' or '.join(NATIVE[chosen])}), so it trains {EMULATED[chosen]}: use "
+                       f"{instead}, or add --force-precision")
     if numerics.precision == "float32" and has["mixed_bfloat16"]:
         log(f"hint: this CPU computes bfloat16 ({', '.join(has['mixed_bfloat16'])}): --precision mixed_bfloat16 "
             f"trained {BFLOAT16_NATIVE}, with 2 ranks equal to 1 to bfloat16's rounding")
