@@ -221,8 +221,7 @@ def precision_suite(plan):
             runs = []
             for seed in (1,) if plan.quick else (1, 2, 3):
                 metrics, launched, _ = contenders.recipe(2, "--dataset", dataset, "--precision", p, "--force-precision",
-                                                         "--seed", seed,
-                                                         *subset)
+                                                         "--seed", seed, *subset)
                 reached = next((e for e in metrics["evaluations"] if e["accuracy"] >= 0.99), None)
                 runs.append(dict(seed=seed, accuracy=metrics["test_accuracy"],
                                  to_99=reached and reached["time"] - launched))

@@ -46,7 +46,7 @@ def check(numerics, device, flags, log):
         raise JobError(f"--precision {chosen}: this CPU has no {chosen.removeprefix('mixed_')} arithmetic (no "
                        f"{' or '.join(NATIVE[chosen])}), so it trains {EMULATED[chosen]}: use "
                        f"{instead}, or add --force-precision")
-    if numerics.precision == "float32" and has["mixed_bfloat16"]:
+    if chosen == "float32" and has["mixed_bfloat16"]:
         log(f"hint: this CPU computes bfloat16 ({', '.join(has['mixed_bfloat16'])}): --precision mixed_bfloat16 "
             f"trained {BFLOAT16_NATIVE}, with 2 ranks equal to 1 to bfloat16's rounding")
 
