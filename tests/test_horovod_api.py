@@ -1,8 +1,8 @@
 """Horovod's TensorFlow and Keras API as a user's own script calls it, on the installation's
 patched Horovod, on either stack: under Keras 3 its wrapper, tape and callbacks are hvd_sgd's patch
 (run/patches/horovod-0.28.1-keras-3.patch). Horovod's three TF2 MNIST examples (tests/horovod/examples,
-v0.28.1, only their data loading, step counts and what Keras 3 removed changed) under horovodrun,
-and small scripts whose weights after one step are known exactly."""
+v0.28.1, only their data loading, step counts and what Keras 3 removed changed) under horovodrun
+on the current stack, and small scripts whose weights after one step are known exactly."""
 import json
 import subprocess
 
@@ -48,6 +48,8 @@ def observed(lines):
     return json.JSONDecoder().raw_decode(line[len("OBSERVED "):])[0]
 
 
+@pytest.mark.skipif(STACK == "keras2", reason="Keras 2: Horovod 0.28.1 as released, on the Keras its examples "
+                    "were written for; its averaging and broadcast callback are checked below")
 @pytest.mark.parametrize("example,elastic", [
     ("tensorflow2_keras_mnist.py", False),  # DistributedOptimizer, the three callbacks, Adam, fit
     ("tensorflow2_mnist.py", False),  # DistributedGradientTape, broadcast_variables (horovod#4290)

@@ -18,7 +18,7 @@ from conftest import (LONG_RUN, LONG_STEPS, PYTHON, ROOT, assert_same_weights, c
                       Cgroup, error_lines, frozen, launch, output_lines, random_arrays, rank_exits, rank_process,
                       read_json, reported_accuracy, saved_weights, start_and_wait, succeeded, write_dataset, write_idx)
 from hvd_sgd.bench import launchers
-from hvd_sgd.runtime import watchdog
+from hvd_sgd.runtime import mpirun, watchdog
 
 
 # --- bad input ---------------------------------------------------------------------------
@@ -173,6 +173,64 @@ def test_killed_rank_ends_the_job_and_resume_loses_at_most_one_interval(launcher
     resumed_from = int(next(line for line in output_lines(resumed.stdout) if line.startswith("Resuming from")).rsplit("-", 1)[1])
     assert resumed_from >= last_logged - 50 - 10  # at most one checkpoint interval (and one log interval) lost
     assert_same_weights(uninterrupted, saved_weights(model))
+
+
+RULE = "-" * 74
+KILLED_NODE = f"""[node1:10801] Warning: could not find environment variable "OMPI_MCA_mpi_yield_when_idle"
+step 30/2000  loss 0.5
+Connection to node2 closed by remote host.
+{RULE}
+ORTE was unable to reliably start one or more daemons.
+{RULE}
+{RULE}
+An MPI communication peer process has unexpectedly disconnected.
+  Local host: node1
+  Peer host:  node2
+{RULE}
+hvd_sgd: SIGTERM received: stopping after the next check of the ranks
+[node1:10801] 1 more process has sent help message help-mpi-btl-tcp.txt / peer hung up
+"""
+CUT_OFF_NODE = f"""[1,0]<stdout>:step 20/32000  loss 1.08
+{RULE}
+ORTE has lost communication with a remote daemon.
+
+  HNP daemon   : [[25104,0],0] on node node1
+  Remote daemon: [[25104,0],1] on node node2
+{RULE}
+[1,0]<stdout>:hvd_sgd: SIGTERM received: stopping after the next check of the ranks
+"""
+NO_LOSS = f"""{RULE}
+mpirun noticed that process rank 1 with PID 0 on node node1 exited on signal 9 (Killed).
+{RULE}
+[1,0]<stderr>:{RULE}
+[1,0]<stderr>:  Peer host:  node1
+"""
+
+
+@pytest.mark.parametrize("launcher_stderr, passed", [
+    (KILLED_NODE, [0, 1, 11]),  # the lines before the loss, and the ranks' own after it
+    (CUT_OFF_NODE, [0, 7]),
+    (NO_LOSS, [0, 1, 2, 3, 4])],  # a banner with no loss in it passes whole; one never closed, at the end
+    ids=["killed", "cut_off", "no_loss"])
+def test_a_lost_node_is_one_line_and_open_mpis_banners_after_it_are_kept_in_a_file(launcher_stderr, passed):
+    """The installation's mpirun relays the launcher's stderr as the recorded texts (Open MPI 4.1.4,
+    the killed and cut-off cases of test_multinode.py); everything it holds back is in the file."""
+    written = []
+    report = mpirun.LostNodeReport(written.append)
+    lines = launcher_stderr.encode().splitlines(keepends=True)
+    for line in lines:
+        report.feed(line)
+    report.close()
+    said = [line.decode() for line in written]
+    naming = [line for line in said if "node2" in line]
+    if launcher_stderr is NO_LOSS:
+        assert said == launcher_stderr.splitlines(keepends=True) and report.kept is None
+        return
+    assert len(naming) == 1 and naming[0].startswith("hvd_sgd: error: node node2 lost"), said
+    assert [line for line in said if line is not naming[0]] == [lines[i].decode() for i in passed], said
+    kept = Path(naming[0].rsplit(" ", 1)[1].strip()).read_bytes().splitlines(keepends=True)
+    assert sorted(kept + [lines[i] for i in passed]) == sorted(lines)  # nothing lost
+    os.remove(report.kept.name)
 
 
 @pytest.mark.slow

@@ -28,13 +28,14 @@ class RankError(JobError):
 def run(main, prog):
     """Run ``main``; a JobError becomes one line on stderr from the first rank and EXIT_FAILED on all.
 
-    So does Horovod's own shutdown when another rank failed: the launcher names that rank, and the
-    survivors need not add a traceback each. A stop on a signal is one line too, and EXIT_STOPPED.
+    So does a collective that failed because another rank did (Horovod's shutdown, or Gloo's timeout
+    on a rank that vanished): the launcher or rank 0's watchdog names that rank, and the survivors
+    need not add a traceback each. A stop on a signal is one line too, and EXIT_STOPPED.
     """
     try:
         main()
     except Exception as e:
-        if not isinstance(e, JobError) and "Horovod has been shut down" not in str(e):
+        if not isinstance(e, JobError) and not _collective_failed(e):
             raise
         stopped, rank = isinstance(e, Stopped), startup.launch_rank()
         if startup.is_chief() or isinstance(e, RankError):
@@ -45,3 +46,10 @@ def run(main, prog):
             # The first rank's exit ends the job at once; an error only this rank saw costs the wait.
             time.sleep(ERROR_GRACE_SECONDS)
         sys.exit(EXIT_STOPPED if stopped else EXIT_FAILED)
+
+
+def _collective_failed(error):
+    """Horovod's shutdown, or a TensorFlow op error raised by one of Horovod's ops (its node name)."""
+    text = str(error)
+    return "Horovod has been shut down" in text or (type(error).__module__.startswith("tensorflow")
+                                                    and "Horovod" in text)

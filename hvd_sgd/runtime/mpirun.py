@@ -12,16 +12,22 @@ them), ``run/train`` and the job script all start jobs the same way:
   own SIGTERM mpirun would kill the ranks a second later. A second signal is mpirun's SIGTERM.
 - Under Open MPI 5, the long options older launchers spell with one dash (horovodrun's
   ``-bind-to none -map-by slot``) are given two.
+- A lost node is one line (LostNodeReport): the launcher's stderr passes through this process,
+  and once a node is known lost, Open MPI's further banners (a daemon "unable to start", a peer
+  "hung up") go to a file that the line names.
 
 The user's own ``OMPI_MCA_*`` settings win. ``<venv>/share/hvd_sgd/mpi.json`` names the MPI's
 launcher that Horovod was built with; without it, the first other ``mpirun`` on the PATH.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 from hvd_sgd.runtime import SAME_REQUEST_SECONDS
@@ -35,6 +41,79 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 # Open MPI 5's launcher (prterun) takes these long options with two dashes only, and reads "-map-by"
 # as the program's name; Open MPI 4, MPICH and horovodrun's command line (Horovod 0.28.1) use one.
 SINGLE_DASH_OPTIONS = {"-bind-to": "--bind-to", "-map-by": "--map-by", "-rank-by": "--rank-by"}
+
+
+# What says a node is lost: ssh's end of the connection to a daemon's node (Open MPI's rsh launcher),
+# or Open MPI's banner for a daemon that went silent ("ORTE"/"PRTE has lost communication ...").
+LOST_NODE = (re.compile(rb"^Connection to (\S+) closed by remote host\."),
+             re.compile(rb"^\s*Remote daemon\s*: .* on node (\S+)"))
+BANNER_RULE = re.compile(rb"^-{20,}\s*$")  # the line above and below each Open MPI banner
+BANNER_LINES = 60  # held at most: a rule that opens no banner (a rank's own) holds nothing for long
+LAUNCHER_NOTE = re.compile(rb"^\[[^\]\s]+:\d+\] ")  # mpirun's own "[node1:10801] 1 more process has sent ..."
+RANK_TAG = re.compile(rb"^\[\d+,\d+\]<std(?:out|err)>:")  # a rank's line under --tag-output (horovodrun's)
+DRAIN_SECONDS = 2  # after mpirun ends, for what it wrote last (an ssh it left may hold the pipe open)
+
+
+class LostNodeReport:
+    """mpirun's stderr as the user sees it: a node's loss is one line, not three banners.
+
+    When a node's processes are killed, Open MPI prints ssh's "Connection to node2 closed", a
+    banner saying daemons could not be started, and each rank's "peer hung up" naming the node;
+    when a node is cut off, a banner naming its daemon. Lines pass through as they come, but a
+    banner is held until its closing rule. The first sign of a lost node prints hvd_sgd's line;
+    after it, banners and mpirun's own notes go to a file (every consequence of the loss), kept."""
+
+    def __init__(self, write):
+        self.write, self.banner, self.lost, self.kept, self.closed = write, None, [], None, False
+
+    def feed(self, line):
+        if self.closed:
+            return
+        rule = BANNER_RULE.match(RANK_TAG.sub(b"", line))
+        if self.banner is not None:
+            self.banner.append(line)
+            if rule or len(self.banner) >= BANNER_LINES:
+                banner, self.banner = self.banner, None
+                self._emit(banner)
+        elif rule:
+            self.banner = [line]
+        else:
+            self._emit([line])
+
+    def close(self):
+        if self.banner:
+            self._emit(self.banner)
+        if self.kept:
+            self.kept.close()
+        self.closed = True
+
+    def _emit(self, lines):
+        untagged = [RANK_TAG.sub(b"", line) for line in lines]
+        nodes = [m.group(1) for line in untagged for m in (p.match(line) for p in LOST_NODE) if m]
+        consequence = self.lost and (len(lines) > 1 or LAUNCHER_NOTE.match(lines[0]))
+        for node in nodes:
+            if node not in self.lost:
+                self.lost.append(node)
+                self.write(f"hvd_sgd: error: node {node.decode()} lost (its launcher daemon's connection ended: the node "
+                           f"went down, was cut off, or its processes were killed); the job ends. Open MPI's "
+                           f"messages after it: {self._kept_path()}\n".encode())
+        if nodes or consequence:
+            self.kept.writelines(lines)
+            self.kept.flush()
+        else:
+            for line in lines:
+                self.write(line)
+
+    def _kept_path(self):
+        if self.kept is None:
+            self.kept = tempfile.NamedTemporaryFile("wb", prefix="hvd_sgd-mpirun-", suffix=".txt", delete=False)
+        return self.kept.name
+
+
+def relay(stream, report, lock):
+    for line in iter(stream.readline, b""):
+        with lock:
+            report.feed(line)
 
 
 def recorded():
@@ -103,7 +182,11 @@ def main(argv=None):
     built = recorded().get("mpi", "")
     if built.startswith("Open MPI") and not built.startswith(("Open MPI 3", "Open MPI 4")):
         args = [SINGLE_DASH_OPTIONS.get(arg, arg) for arg in args]
-    child = subprocess.Popen([launcher, *args], env=env)
+    child = subprocess.Popen([launcher, *args], env=env, stderr=subprocess.PIPE)
+    lock = threading.Lock()
+    report = LostNodeReport(lambda line: (sys.stderr.buffer.write(line), sys.stderr.buffer.flush()))
+    reader = threading.Thread(target=relay, args=(child.stderr, report, lock), daemon=True)
+    reader.start()
     first = []  # when the first request came
 
     def forward(signum, frame):
@@ -118,6 +201,9 @@ def main(argv=None):
     for signum in STOP_SIGNALS:
         signal.signal(signum, forward)
     status = child.wait()
+    reader.join(DRAIN_SECONDS)
+    with lock:
+        report.close()
     sys.exit(status if status >= 0 else 128 - status)
 
 
