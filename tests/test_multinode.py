@@ -281,8 +281,10 @@ def test_the_network_suite_measures_across_two_nodes_of_its_own_cluster(tmp_path
     assert bench.returncode == 0, bench.stderr[-3000:]
     suites = read_json(tmp_path / "results.json")["suites"]
     fit, [check] = suites["project"]["links"]["10gbit"], suites["project"]["validation"]
-    # The link is shaped to 10 Gbit/s (1.25 GB/s): the all-reduce's fitted bandwidth cannot exceed it.
-    assert 0 < fit["bandwidth"] <= 1.1 * 1.25e9 and check["model"] == "softmax", fit
+    # The link is shaped to 10 Gbit/s (1.25 GB/s): no size's measured bus bandwidth exceeds it. (Not the
+    # fit's: from --quick's four sizes it trades latency for bandwidth, and once gave 1.42 GB/s.)
+    measured = suites["network"]["10gbit"]["allreduce"]["mpi"]["horovod"]
+    assert 0 < max(measured) <= 1.1 * 1.25 and 0 < fit["bandwidth"] and check["model"] == "softmax", (measured, fit)
     assert 0 < check["predicted"] <= 1 and check["measured"] == suites["network"]["10gbit"]["softmax"]["ratio"]
     # softmax's 2 gradients in 1 or 2 operations a step, and every 10 steps the stop request's
     assert 1 <= check["ops_per_step"] == suites["network"]["10gbit"]["ops_per_step"]["softmax"] <= 2.2

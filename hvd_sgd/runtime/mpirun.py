@@ -116,6 +116,16 @@ def relay(stream, report, lock):
             report.feed(line)
 
 
+def to_stderr(line):
+    """Write a line of mpirun's; a closed stderr (the user's terminal gone) must not stop the relay,
+    or mpirun would block on a full pipe."""
+    try:
+        sys.stderr.buffer.write(line)
+        sys.stderr.buffer.flush()
+    except OSError:
+        pass
+
+
 def recorded():
     """What run/setup recorded of the MPI Horovod was built with ({} if nothing)."""
     try:
@@ -184,7 +194,7 @@ def main(argv=None):
         args = [SINGLE_DASH_OPTIONS.get(arg, arg) for arg in args]
     child = subprocess.Popen([launcher, *args], env=env, stderr=subprocess.PIPE)
     lock = threading.Lock()
-    report = LostNodeReport(lambda line: (sys.stderr.buffer.write(line), sys.stderr.buffer.flush()))
+    report = LostNodeReport(to_stderr)
     reader = threading.Thread(target=relay, args=(child.stderr, report, lock), daemon=True)
     reader.start()
     first = []  # when the first request came
