@@ -48,8 +48,13 @@ def run(main, prog):
         sys.exit(EXIT_STOPPED if stopped else EXIT_FAILED)
 
 
+# What Gloo's transport says in a Horovod op whose peer is gone. Any other error of a Horovod op (out
+# of memory, say) is this rank's own: it keeps its traceback.
+PEER_GONE = ("Timed out waiting", "pair closure", "Connection closed by peer")
+
+
 def _collective_failed(error):
-    """Horovod's shutdown, or a TensorFlow op error raised by one of Horovod's ops (its node name)."""
+    """Horovod's shutdown, or a Horovod op's error (its node's name) that its peer is gone."""
     text = str(error)
     return "Horovod has been shut down" in text or (type(error).__module__.startswith("tensorflow")
-                                                    and "Horovod" in text)
+                                                    and "Horovod" in text and any(s in text for s in PEER_GONE))
