@@ -182,6 +182,9 @@ class Ranks:
     stall_timeout: float = option(60.0, "end the job when no rank made progress (a step, a test batch of rank "
                                         "0's evaluation, its checkpoint's files read or growing) for this many "
                                         "seconds: a frozen rank, or a hung file system, named")
+    trace_timeout: float = option(600.0, "the seconds a graph's first call may take (TensorFlow traces and optimizes "
+                                         "it, XLA compiles it on a GPU) before the job ends as stalled; a rank "
+                                         "that stops responding meanwhile still ends it after --stall-timeout")
     elastic: bool = option(False, "elastic training under horovodrun --min-np/--max-np/--host-discovery-script: "
                                   "workers may leave or join")
     commit_every_steps: int = option(10, "with --elastic, commit the state in memory every N steps (what a lost "
@@ -195,7 +198,7 @@ class Ranks:
     def validate(self):
         _positive(self, "commit_every_steps")
         _not_negative(self, "threads_per_rank", "slow_rank_lag")
-        _positive_number(self, "stall_timeout")
+        _positive_number(self, "stall_timeout", "trace_timeout")
 
 
 def _section(cls):

@@ -8,7 +8,7 @@ Every step each rank computes the gradient of its own slice of the global batch,
 averages the gradients by ring all-reduce, and every rank applies the same average: N ranks
 with batch B train like one rank with batch N*B (at the same learning rate). Every rank tests its
 share of the test set; rank 0 reports, logs and writes files. ``fit`` is the recipe, for your own
-model and data too.
+model and data too; "Horovod:" marks its data-parallel steps.
 """
 import dataclasses
 import importlib.metadata
@@ -17,9 +17,9 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd import JobError, __version__, config
+from hvd_sgd import __version__, config
 from hvd_sgd.data import sources
-from hvd_sgd.runtime import cli, jobs, startup
+from hvd_sgd.runtime import announced, cli, jobs
 from hvd_sgd.training import distributed, loop, models, precision, schedules
 from hvd_sgd.training.outputs import Outputs
 from hvd_sgd.training.plan import RunPlan
@@ -28,20 +28,21 @@ LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def main(argv=None):
-    cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=startup.is_chief(), module="hvd_sgd.train")
-    job = jobs.start(cfg.ranks, timeline=bool(cfg.timeline))
-    with job.together():  # a rank that cannot read the data, or import the model, stops them all
-        with job.watchdog.file_work(sources.location(cfg.data)):  # slow reads are no stall
-            data = sources.load(cfg.data, job.world, cfg.elastic)
-        model_fn = models.resolve(cfg.model)
-    fit(model_fn, data, cfg, job)
+    cfg = config.parse(config.TrainConfig, argv, __doc__, speaks=announced.is_chief(), module="hvd_sgd.train")
+    with jobs.start(cfg.ranks, timeline=bool(cfg.timeline)) as job:
+        with job.together():  # a rank that cannot read the data, or import the model, stops them all
+            with job.watchdog.file_work(sources.location(cfg.data)):  # slow reads are no stall
+                data = sources.load(cfg.data, job.world, cfg.elastic)
+            model_fn = models.resolve(cfg.model)
+        fit(model_fn, data, cfg, job)
 
 
 def fit(model_fn, data, cfg=config.TrainConfig(), job=None):
-    """Train ``model_fn(input_shape, num_classes)`` on ``data`` (hvd_sgd.data) as ``cfg`` says, on every rank;
-    the run's summary (``--metrics-file``). "Horovod:" marks the data-parallel recipe's steps."""
+    """Train ``model_fn(input_shape, num_classes)`` on ``data`` as ``cfg`` says; the run's summary."""
     # 1. Horovod: start it (unless the caller has): one GPU per rank by local rank, its share of the cores.
-    job = job or jobs.start(cfg.ranks, timeline=bool(cfg.timeline))
+    if job is None:  # a run of its own, whose watchdog ends with it
+        with jobs.start(cfg.ranks, timeline=bool(cfg.timeline)) as job:
+            return fit(model_fn, data, cfg, job)
     world, started = job.world, dict(job.world.started, data=time.time())  # start-up's phases, for the summary
     import horovod.tensorflow as hvd  # its extension loads: jobs.start checked it does
 
@@ -51,7 +52,6 @@ def fit(model_fn, data, cfg=config.TrainConfig(), job=None):
         plan = RunPlan.for_training(cfg.optimization, world.size, data.num_train)
         outputs.check(plan)
         precision.check(cfg.numerics, world.device, precision.cpu_flags(), world.log)
-        _check_elastic(cfg.elastic)
     world.log(f"hvd_sgd: {world.size} rank(s) on {world.device}, {world.threads} thread(s) each, "
               f"model {getattr(model_fn, '__name__', cfg.model)}; {plan.describe()}")
     job.watchdog.progress()
@@ -96,12 +96,6 @@ def fit(model_fn, data, cfg=config.TrainConfig(), job=None):
     outputs.finish(model, summary)
     world.log(f"Test accuracy: {result['accuracy']:.4f}")
     return summary
-
-
-def _check_elastic(elastic):
-    if elastic and not startup.launched_elastic():
-        raise JobError("--elastic needs horovodrun's elastic mode: horovodrun -np N --min-np MIN --max-np MAX "
-                       "--host-discovery-script run/discover-hosts python -m hvd_sgd.train --elastic")
 
 
 def _summary(cfg, trainer, data, result, timeline, weight_checksums, ranks):

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from hvd_sgd import config
 from hvd_sgd.data import batches, datasets
-from hvd_sgd.runtime import cli, startup
+from hvd_sgd.runtime import announced, cli, startup
 from hvd_sgd.training import checkpoint, files
 from hvd_sgd.training.plan import RunPlan
 
@@ -26,7 +26,7 @@ tf1 = tf.compat.v1
 
 
 def main(argv=None):
-    cfg = config.parse(config.TrainV1Config, argv, __doc__, speaks=startup.is_chief(),
+    cfg = config.parse(config.TrainV1Config, argv, __doc__, speaks=announced.is_chief(),
                        module="hvd_sgd.train_v1")
     w = startup.start()
     import horovod.tensorflow as hvd

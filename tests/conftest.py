@@ -72,29 +72,34 @@ class Cgroup:
     V1_NAMES = {"memory": "memory", "io": "blkio"}
 
     def __init__(self, controller):
-        version = "v2" if self.V2 else "v1"
-        if os.geteuid() != 0:
-            pytest.skip(f"a {controller} cgroup of its own needs root (cgroup {version})")
-        if self.V2:
-            root = "/sys/fs/cgroup"
-            if controller not in open(f"{root}/cgroup.controllers").read().split():
-                pytest.skip(f"cgroup v2 without the {controller} controller")
-            try:  # the children of the root may use it
-                with open(f"{root}/cgroup.subtree_control", "w") as f:
-                    f.write(f"+{controller}")
-            except OSError as e:
-                pytest.skip(f"cgroup v2: the {controller} controller cannot be given to a child ({e.strerror})")
-        else:
-            root = f"/sys/fs/cgroup/{self.V1_NAMES[controller]}"
-            if not os.path.isdir(root):
-                pytest.skip(f"cgroup v1 without the {self.V1_NAMES[controller]} hierarchy")
+        self.require(controller)
+        root = "/sys/fs/cgroup" if self.V2 else f"/sys/fs/cgroup/{self.V1_NAMES[controller]}"
         self.path = f"{root}/hvd_sgd-test-{os.getpid()}-{controller}"
         os.makedirs(self.path, exist_ok=True)
 
     @classmethod
+    def unusable(cls, controller):
+        """Why this process cannot have a cgroup with ``controller``; None when it can."""
+        if os.geteuid() != 0:
+            return f"a {controller} cgroup of its own needs root (cgroup {'v2' if cls.V2 else 'v1'})"
+        if not cls.V2:
+            exists = os.path.isdir(f"/sys/fs/cgroup/{cls.V1_NAMES[controller]}")
+            return None if exists else f"cgroup v1 without the {cls.V1_NAMES[controller]} hierarchy"
+        if controller not in open("/sys/fs/cgroup/cgroup.controllers").read().split():
+            return f"cgroup v2 without the {controller} controller"
+        try:  # the children of the root may use it
+            with open("/sys/fs/cgroup/cgroup.subtree_control", "w") as f:
+                f.write(f"+{controller}")
+        except OSError as e:
+            return f"cgroup v2: the {controller} controller cannot be given to a child ({e.strerror})"
+        return None
+
+    @classmethod
     def require(cls, controller):
         """Skip the test now, before its set-up, if it cannot have a cgroup with ``controller``."""
-        cls(controller).remove()
+        unusable = cls.unusable(controller)
+        if unusable:
+            pytest.skip(unusable)
 
     def _write(self, name, value):
         with open(f"{self.path}/{name}", "w") as f:
@@ -237,6 +242,12 @@ def start_and_wait(command, ready, timeout, env=None):
         assert time.monotonic() < deadline, "the run never got ready"
         time.sleep(0.2)
     return process
+
+
+def latest_checkpoint_step(directory):
+    """The step of the checkpoint that ``directory``'s index names last."""
+    import tensorflow as tf
+    return int(tf.train.latest_checkpoint(str(directory)).rsplit("-", 1)[1])
 
 
 def ended_within(process, seconds):

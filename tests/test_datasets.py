@@ -10,7 +10,7 @@ import pytest
 
 from conftest import PYTHON, ROOT, error_lines, launch, random_arrays, reported_accuracy, succeeded, write_dataset, write_idx
 from hvd_sgd import JobError
-from hvd_sgd.data import datasets
+from hvd_sgd.data import aligned, datasets
 
 
 # --- IDX files ---------------------------------------------------------------------------
@@ -97,7 +97,7 @@ def test_reads_an_npz_of_four_arrays(tmp_path, save):
     assert splits.name == "mine" and splits.image_shape == (5, 3)
     for key in datasets.IDX_FILES:
         np.testing.assert_array_equal(getattr(splits, key), arrays[key])
-    assert splits.x_train.ctypes.data % datasets.ALIGNMENT == 0  # TensorFlow takes it over without a copy
+    assert splits.x_train.ctypes.data % aligned.ALIGNMENT == 0  # TensorFlow takes it over without a copy
     assert splits.input_shape == (5, 3, 1)  # grayscale: one channel
 
 

@@ -68,7 +68,8 @@ def test_horovods_example_trains_the_ranks_alike(example, elastic, tmp_path):
 
 # One weight w = 0 and the mean absolute error |w x - 100|, whose gradient is -x: rank r's x is
 # r + 1 (or rank 1's is x1), so at learning rate 1 its own step gives w = r + 1 and the average
-# step w = 1.5. Each case, in one launch: sgd (SGD's keyword arguments), horovod
+# step w = 1.5. Each case, in one launch: wrap (horovod: Horovod's DistributedOptimizer, the default;
+# hvd_sgd: hvd_sgd's, which fit uses; plain: none, the control), sgd (SGD's keyword arguments), horovod
 # (DistributedOptimizer's), loss_scale, steps, x1. Prints, for each case, every rank's w and loss scale.
 ONE_WEIGHT = """
 import json, sys
@@ -76,7 +77,10 @@ import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as hvd_tf
 import horovod.tensorflow.keras as hvd
+from hvd_sgd.training import distributed
 hvd.init()
+WRAPS = dict(horovod=hvd.DistributedOptimizer, plain=lambda optimizer: optimizer,
+             hvd_sgd=lambda optimizer, **kw: distributed.DistributedOptimizer(optimizer, hvd.Compression.none, **kw))
 results = []
 for case in json.loads(sys.argv[1]):
     x = [1.0, case.get("x1", 2.0)][hvd.rank()]
@@ -84,7 +88,7 @@ for case in json.loads(sys.argv[1]):
     optimizer = tf.keras.optimizers.SGD(1.0, **case.get("sgd", {}))
     if case.get("loss_scale"):
         optimizer = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
-    model.compile(optimizer=hvd.DistributedOptimizer(optimizer, **case.get("horovod", {})), loss="mae")
+    model.compile(optimizer=WRAPS[case.get("wrap", "horovod")](optimizer, **case.get("horovod", {})), loss="mae")
     steps = case.get("steps", 1)
     model.fit(np.full((steps, 1), x), np.full((steps, 1), 100.0), batch_size=1, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
@@ -94,12 +98,14 @@ if hvd.rank() == 0:
     print(json.dumps(results))
 """
 AVERAGES = [
-    (dict(), 1.5),  # the average of the ranks' steps, 1 and 2
+    (dict(), [1.5, 1.5]),  # the average of the ranks' steps, 1 and 2
+    (dict(wrap="hvd_sgd"), [1.5, 1.5]),  # hvd_sgd's wrapper: Horovod's
+    (dict(wrap="plain"), [1.0, 2.0]),  # the control: each rank applies its own gradient
     # Accumulated over two passes: their sum (Horovod's default), or their mean.
-    (dict(steps=2, horovod=dict(backward_passes_per_step=2)), 3.0),
-    (dict(steps=2, horovod=dict(backward_passes_per_step=2, average_aggregated_gradients=True)), 1.5),
+    (dict(steps=2, horovod=dict(backward_passes_per_step=2)), [3.0, 3.0]),
+    (dict(steps=2, horovod=dict(backward_passes_per_step=2, average_aggregated_gradients=True)), [1.5, 1.5]),
     # Keras clips the average (1.5 to 1.4), not each rank's gradient (which would give 1.2).
-    (dict(sgd=dict(clipvalue=1.4)), 1.4),
+    (dict(sgd=dict(clipvalue=1.4)), [1.4, 1.4]),
 ]
 # Keras 3 only (Horovod 0.28.1 cannot wrap Keras 2's LossScaleOptimizer; hvd_sgd wraps its inner one
 # there): rank 1's gradient overflows, then none does.
@@ -115,9 +121,9 @@ def one_weight():
     return dict(zip(map(json.dumps, cases), json.loads(output_lines(result.stdout)[-1])))
 
 
-@pytest.mark.parametrize("case,weight", AVERAGES)
-def test_the_wrapped_keras_optimizer_applies_the_ranks_average(one_weight, case, weight):
-    assert [w for w, _ in one_weight[json.dumps(case)]] == pytest.approx([weight, weight])
+@pytest.mark.parametrize("case,weights", AVERAGES)
+def test_the_wrapped_keras_optimizer_applies_the_ranks_average(one_weight, case, weights):
+    assert [w for w, _ in one_weight[json.dumps(case)]] == pytest.approx(weights)
 
 
 @pytest.mark.skipif(STACK == "keras2", reason="Keras 2: Horovod 0.28.1 cannot wrap a LossScaleOptimizer "

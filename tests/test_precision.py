@@ -63,17 +63,17 @@ def test_a_gradient_that_overflows_on_one_rank_makes_every_rank_skip_the_step_an
     env = overflow_model(tmp_path)
     args = ["--model", "overflow:model", *precision_flags("mixed_float16"), *SHORT, "--max-steps", 20,
             "--batch-size", 16]
-    metrics = {}
+    metrics, models = {}, {}
     for name, at in (("overflow", 5), ("none", -1)):
-        metrics[name] = tmp_path / f"{name}.json"
-        succeeded(launch("mpirun", 2, *args, "--metrics-file", metrics[name],
+        metrics[name], models[name] = tmp_path / f"{name}.json", tmp_path / f"{name}.keras"
+        succeeded(launch("mpirun", 2, *args, "--metrics-file", metrics[name], "--save-model", models[name],
                          env=dict(env, OVERFLOW_AT_STEP=str(at))))
     overflowed, clean = read_json(metrics["overflow"]), read_json(metrics["none"])
     assert (overflowed["loss_scale"], clean["loss_scale"]) == (INITIAL_SCALE / 2, INITIAL_SCALE)
-    # every rank holds the same weights, step and loss scale (the end's CRC check covers them), and
-    # the run went on to its last step
-    assert len(set(overflowed["weight_checksums"])) == 1 and overflowed["steps"] == 20
-    assert overflowed["weight_checksums"] != clean["weight_checksums"]  # a step was skipped
+    # The run went on to its last step with finite weights that differ from the clean run's: the
+    # overflowed step's non-finite gradients were skipped, not applied.
+    assert overflowed["steps"] == 20 and all(np.isfinite(w).all() for w in saved_weights(models["overflow"]))
+    assert max_difference(saved_weights(models["overflow"]), saved_weights(models["none"])) > 0
 
 
 @pytest.mark.slow
@@ -91,8 +91,7 @@ def test_float16_with_accumulation_skips_an_overflowed_step_on_every_rank_or_is_
         assert result.returncode == 1 and "needs the current stack" in line, result.stderr[-2000:]
         return
     summary = read_json(succeeded(result) and metrics)
-    assert summary["loss_scale"] == INITIAL_SCALE / 2 and len(set(summary["weight_checksums"])) == 1
-    assert summary["steps"] == 10
+    assert summary["loss_scale"] == INITIAL_SCALE / 2 and summary["steps"] == 10
 
 
 @pytest.mark.slow
@@ -143,7 +142,7 @@ def test_fp16_allreduce_with_mixed_precision_keeps_the_ranks_identical_and_learn
     succeeded(launch("mpirun", 2, "--model", "softmax", "--lr", "0.1", *SHORT, "--max-steps", 40,
                      *precision_flags(precision), "--fp16-allreduce", "--metrics-file", metrics))
     summary = read_json(metrics)
-    assert len(set(summary["weight_checksums"])) == 1 and summary["test_accuracy"] > 0.7
+    assert summary["test_accuracy"] > 0.7
 
 
 @pytest.mark.slow
@@ -172,13 +171,14 @@ def colour_set(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("model,np_,precision", [("resnet20", 2, "mixed_bfloat16"), ("resnet50", 1, "float32")])
 def test_the_resnets_train_on_tiny_images(model, np_, precision, colour_set, tmp_path):
-    """Batch normalization's statistics averaged before the evaluation (the ranks end identical)."""
+    """resnet20 on 2 ranks ends with the ranks identical (or the job fails), which needs batch
+    normalization's moving statistics averaged across the ranks; resnet50 trains on one rank."""
     metrics = tmp_path / "m.json"
     succeeded(launch("mpirun" if np_ > 1 else "python", np_, "--model", model, "--data-dir", colour_set,
                      "--batch-size", 8, "--max-steps", 3, *precision_flags(precision), "--metrics-file", metrics,
                      timeout=600))
     summary = read_json(metrics)
-    assert summary["steps"] == 3 and len(set(summary["weight_checksums"])) == 1
+    assert summary["steps"] == 3
 
 
 @pytest.mark.slow
@@ -197,4 +197,4 @@ def test_a_subclassed_model_trains_in_mixed_precision_with_float32_logits(tmp_pa
     succeeded(launch("mpirun", 2, "--model", "examples.custom_model:small_cnn_subclassed", *SHORT, "--max-steps", 30,
                      *precision_flags("mixed_bfloat16"), "--metrics-file", metrics))
     summary = read_json(metrics)
-    assert len(set(summary["weight_checksums"])) == 1 and summary["test_accuracy"] > 0.5
+    assert summary["test_accuracy"] > 0.5

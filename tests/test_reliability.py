@@ -7,6 +7,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def flags(*args):
 
 
 # Flag values the configuration rejects before Horovod starts have their unit tests (test_config.py);
-# two of them stand here for the whole path, launcher to exit statuses.
+# two of them stand here for the whole path.
 BAD_INPUT = {
     "missing data directory": (lambda t: ["--data-dir", t / "nowhere"], "no such directory"),
     "truncated IDX file": (damaged_idx(IMAGES, np.zeros((256, 4, 4)), cut=100), "truncated"),
@@ -90,31 +91,64 @@ BAD_INPUT = {
     "checkpoints there but no --resume": (existing_checkpoints_without_resume, "already holds checkpoints"),
     "checkpoint dir not writable": (flags("--checkpoint-dir", "/proc/hvd_sgd"),
                                     "rank 0: --checkpoint-dir /proc/hvd_sgd: cannot create"),
-    "model path not writable": (flags("--save-model", "/proc/hvd_sgd/m.keras"),
-                                "rank 0: --save-model /proc/hvd_sgd/m.keras: cannot create"),
+    "model path not writable": (flags("--save-model", "/proc/hvd_sgd/m.keras"), "--save-model /proc/hvd_sgd/m.keras: cannot create"),
     "log dir a file": (lambda t: (t / "logs").touch() or ["--log-dir", t / "logs"], "/logs: cannot create"),
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(BAD_INPUT))
-def test_bad_input(case, tmp_path):
+# The whole path, launcher to every rank's exit status, for the cases that need two ranks or a run
+# before them (a checkpoint directory is this process's for its life); the others in this process.
+END_TO_END = ("batch larger than a shard", "more ranks than examples", "resume with another model's checkpoint",
+              "checkpoint index pointing outside the directory", "checkpoints there but no --resume",
+              "checkpoint dir not writable")
+
+
+def bad_run(case, tmp_path):
+    """The case's flags with an output file of each kind it does not name, and its message."""
     make_args, message = BAD_INPUT[case]
     args = make_args(tmp_path)
     outputs = {"--metrics-file": tmp_path / "out" / "metrics.json", "--save-model": tmp_path / "out" / "model.keras"}
     outputs = {flag: path for flag, path in outputs.items() if flag not in map(str, args)}
+    return ["--model", "softmax", "--max-steps", 3, *args, *[x for pair in outputs.items() for x in pair]], \
+        outputs.values(), message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", END_TO_END)
+def test_bad_input(case, tmp_path):
+    args, outputs, message = bad_run(case, tmp_path)
     exits = tmp_path / "exits"
     exits.mkdir()
-    result = launch("mpirun", 2, "--model", "softmax", "--max-steps", 3, *args,
-                    *[x for pair in outputs.items() for x in pair], exits_dir=exits, timeout=120)
+    result = launch("mpirun", 2, *args, exits_dir=exits, timeout=120)
     errors = [line for line in output_lines(result.stderr) if "error:" in line]
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
     assert errors[0].startswith("hvd_sgd.train: error: ")
     assert "Traceback" not in result.stdout + result.stderr
     statuses = rank_exits(exits)
     assert len(statuses) == 2 and all(statuses), statuses
-    for path in outputs.values():
+    for path in outputs:
         assert not path.exists(), f"{path} was written"
+
+
+@pytest.mark.parametrize("case", [case for case in BAD_INPUT if case not in END_TO_END])
+def test_bad_input_in_this_process(case, tmp_path, capsys):
+    """hvd_sgd.train's console script in this process, on one rank: one line, status 1, nothing
+    written, and a process that goes on (the run's watchdog stopped with it)."""
+    from hvd_sgd import train
+    from hvd_sgd.runtime import cli
+    args, outputs, message = bad_run(case, tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli.run(lambda: train.main(list(map(str, args))), "hvd_sgd.train")
+    errors = capsys.readouterr().err.splitlines()
+    assert exited.value.code == cli.EXIT_FAILED and len(errors) == 1 and message in errors[0], errors
+    assert errors[0].startswith("hvd_sgd.train: error: ")
+    for path in outputs:
+        assert not path.exists(), f"{path} was written"
+    watching = lambda: [t for t in threading.enumerate() if t.name == "hvd_sgd-watchdog"]
+    deadline = time.monotonic() + 3 * watchdog.BEAT_SECONDS  # it sees the stop at its next beat
+    while watching() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not watching(), "the run's watchdog goes on watching after it"
 
 
 @pytest.mark.slow
@@ -306,6 +340,62 @@ def test_evaluating_longer_than_the_stall_timeout_is_no_stall_but_freezing_then_
     assert_ends_naming(run, 0, time.monotonic(), stall_timeout, waiting_in="evaluate")
 
 
+SLOW_TRACE = """
+import os, time
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+
+class SlowToTrace(tf.keras.layers.Layer):
+    \"\"\"On rank 0, sleeps $TRACE_SECONDS in Python each time a step's or an evaluation's graph is
+    traced (never while it runs), after a line in the file $TRACING-0: a large model's trace, or an
+    XLA compile. (Keras builds the model with training None.)\"\"\"
+    def call(self, x, training=None):
+        if training is not None and not tf.executing_eagerly() and hvd.rank() == 0:
+            with open(f"{os.environ['TRACING']}-{hvd.rank()}", "a") as f:
+                f.write("traced\\n")
+            time.sleep(float(os.environ["TRACE_SECONDS"]))
+        return x
+
+
+def model(input_shape, num_classes):
+    return tf.keras.Sequential([tf.keras.Input(input_shape), SlowToTrace(), tf.keras.layers.Flatten(),
+                                tf.keras.layers.Dense(num_classes)])
+"""
+
+
+def slow_trace_run(tmp_path, trace_seconds, *args):
+    """A 2-rank run of the slow-to-trace model under mpirun; its environment."""
+    (tmp_path / "slow_trace.py").write_text(SLOW_TRACE)
+    env = launchers.environment(PYTHONPATH=str(tmp_path), TRACING=str(tmp_path / "tracing"),
+                                TRACE_SECONDS=str(trace_seconds))
+    command = launchers.command("mpirun", 2, "hvd_sgd.train", [
+        "--model", "slow_trace:model", "--train-examples", 512, "--test-examples", 64, "--max-steps", 12, *args])
+    return command, env
+
+
+@pytest.mark.slow
+def test_graphs_that_trace_longer_than_the_stall_timeout_are_no_stall(tmp_path):
+    """Rank 0 takes 8 s to trace each of the step's two graphs (plain and sampled) and the
+    evaluation's, at --stall-timeout 5: a graph's first call is no stall, nor is rank 1's wait for
+    it, in the step's first all-reduce or after its own evaluation (before, the watchdog ended such
+    a job after 5 s)."""
+    command, env = slow_trace_run(tmp_path, 8, "--stall-timeout", 5)
+    succeeded(subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240))
+    assert len((tmp_path / "tracing-0").read_text().splitlines()) >= 3
+
+
+@pytest.mark.slow
+def test_a_rank_frozen_during_its_trace_ends_the_job_within_the_stall_timeout(tmp_path):
+    """Rank 0 SIGSTOPped while it traces (a 60 s trace, --trace-timeout 120) ends the job after
+    --stall-timeout, not after the trace's bound, with the one line naming it."""
+    stall_timeout = 10  # start-up under load can take 10 s: not a stall
+    command, env = slow_trace_run(tmp_path, 60, "--stall-timeout", stall_timeout, "--trace-timeout", 120)
+    run = start_and_wait(command, lambda: (tmp_path / "tracing-0").exists(), timeout=180, env=env)
+    rank_process(psutil.Process(run.pid), 0).send_signal(signal.SIGSTOP)
+    assert_ends_naming(run, 0, time.monotonic(), stall_timeout, waiting_in="_steps")
+
+
 class SlowFileSystem:
     """An ext4 file system on a loop device, mounted ``sync``, whose reads and writes from the
     processes in an io cgroup go at the rates ``throttle`` sets: a slow shared file system.
@@ -453,15 +543,32 @@ def test_data_read_slower_than_the_stall_timeout_is_no_stall_but_a_hung_read_is(
     assert_ends_naming_stuck(hung.returncode, hung.stderr, [0, 1], data)
 
 
-def test_the_default_stall_timeout_is_the_timer_the_frozen_rank_tests_run():
+def test_the_default_stall_timeout_is_the_timer_the_frozen_rank_tests_run(tmp_path):
     """The frozen-rank tests run with --stall-timeout 5 to 20 s to keep CI short; the default, 60 s,
-    reaches the same timer: a rank idle for 59.9 s is no stall, for 60.1 s it is."""
+    reaches the same timer: a rank idle for 59.9 s is no stall, for 60.1 s it is (one rank, beating)."""
     from types import SimpleNamespace
     from hvd_sgd import config
     timeout = config.TrainConfig().ranks.stall_timeout
-    timer = watchdog.Watchdog(SimpleNamespace(rank=0, size=2), timeout)  # rank 0 reads no other rank's heartbeat
+    timer = watchdog.Watchdog(SimpleNamespace(rank=0, size=1), timeout)
+    timer.directory = str(tmp_path)  # where start() would put the job's heartbeats
     timer.progress(step=7)
+    timer._beat()
     assert timeout == 60 and not timer.stalled(timer.last_progress + 59.9) and timer.stalled(timer.last_progress + 60.1)
+
+
+def test_a_graphs_first_call_is_no_stall_until_the_trace_timeout(tmp_path):
+    """At the defaults: idle for 60.1 s in a graph's first call is no stall; in one for 600.1 s it is."""
+    from types import SimpleNamespace
+    from hvd_sgd import config
+    ranks = config.TrainConfig().ranks
+    timer = watchdog.Watchdog(SimpleNamespace(rank=0, size=1), ranks.stall_timeout, ranks.trace_timeout)
+    timer.directory = str(tmp_path)
+    with timer.tracing():
+        timer._beat()
+        assert not timer.stalled(timer.last_progress + ranks.stall_timeout + 0.1)
+        timer.tracing_since -= ranks.trace_timeout + 0.1  # its beat says how long it has traced
+        timer._beat()
+        assert ranks.trace_timeout == 600 and timer.stalled(timer.last_progress + ranks.stall_timeout + 0.1)
 
 
 def test_heartbeat_directories_left_by_killed_jobs_are_swept(tmp_path):
@@ -487,20 +594,23 @@ def test_a_checkpoint_restores_batch_normalizations_moving_statistics(tmp_path):
     import tensorflow as tf
     from hvd_sgd.training import checkpoint
 
-    def trained_state(statistics):
+    def trained_state(mean, variance):
         model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.BatchNormalization()])
         optimizer = tf.keras.optimizers.SGD(0.1)
         optimizer.build(model.trainable_variables)
-        model.layers[0].moving_mean.assign(statistics)
+        model.layers[0].moving_mean.assign(mean)
+        model.layers[0].moving_variance.assign(variance)
         return dict(model=model, optimizer=optimizer, step=tf.Variable(5, dtype=tf.int64))
 
-    saved = checkpoint.Checkpoints(str(tmp_path / "a"), False, print, 64, **trained_state([1.0, 2.0, 3.0]))
+    saved = checkpoint.Checkpoints(str(tmp_path / "a"), False, print, 64, **trained_state([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]))
     saved.save(5)
     # a copy, to restore from: the first directory's lock is this process's for its life
     shutil.copytree(tmp_path / "a", tmp_path / "b", ignore=shutil.ignore_patterns(checkpoint.LOCK_FILE))
-    fresh = trained_state([0.0, 0.0, 0.0])
+    fresh = trained_state([0.0, 0.0, 0.0], [1.0, 1.0, 1.0])
     checkpoint.Checkpoints(str(tmp_path / "b"), True, print, 64, **fresh).restore_latest()
-    assert fresh["model"].layers[0].moving_mean.numpy().tolist() == [1.0, 2.0, 3.0]
+    restored = fresh["model"].layers[0]
+    assert restored.moving_mean.numpy().tolist() == [1.0, 2.0, 3.0]
+    assert restored.moving_variance.numpy().tolist() == [4.0, 5.0, 6.0]
 
 
 # --- damaged checkpoints, divergence ----------------------------------------------------------
@@ -557,6 +667,51 @@ def test_divergence_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
                 assert np.isfinite(value).all(), f"{path}: {name} is not finite"
 
 
+DIVERGING_MODEL = """
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+
+class RankCounter(tf.keras.layers.Layer):
+    \"\"\"Adds its rank + 1 to a counter at every training batch: a variable that no all-reduce touches
+    (integer, so not averaged as batch normalization's statistics are), which forks the ranks.\"\"\"
+    def build(self, input_shape):
+        self.count = self.add_weight(name="count", shape=(), dtype="int64", initializer="zeros", trainable=False)
+
+    def call(self, x, training=False):
+        if training:
+            self.count.assign_add(hvd.rank() + 1)
+        return x
+
+
+def model(input_shape, num_classes):
+    return tf.keras.Sequential([tf.keras.Input(input_shape), RankCounter(), tf.keras.layers.Flatten(),
+                                tf.keras.layers.Dense(num_classes)])
+"""
+
+
+@pytest.mark.slow
+def test_ranks_whose_weights_fork_end_the_job_with_one_line_naming_the_checksums(tmp_path):
+    """The check that every summary's weight_checksums rests on: ranks that end with different
+    variables (a layer counts by rank) fail the job, with rank 0's one line and no summary."""
+    (tmp_path / "diverging.py").write_text(DIVERGING_MODEL)
+    metrics = tmp_path / "m.json"
+    result = launch("mpirun", 2, "--model", "diverging:model", "--train-examples", 256, "--test-examples", 64,
+                    "--max-steps", 3, "--metrics-file", metrics, env=dict(PYTHONPATH=str(tmp_path)))
+    errors = error_lines(result)
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-2000:]
+    assert re.search(r"ranks hold different weights at the end \(checksums \[(\d+), (?!\1\])\d+\]\)", errors[0]), errors
+    assert "Traceback" not in result.stderr and not metrics.exists()
+
+
+def test_the_identity_check_names_differing_checksums_and_passes_equal_ones():
+    from hvd_sgd import JobError
+    from hvd_sgd.runtime import world
+    assert world.require_identical([7, 7, 7], "at the end") == [7, 7, 7]
+    with pytest.raises(JobError, match=re.escape("ranks hold different weights at the end (checksums [7, 8, 7])")):
+        world.require_identical([7, 8, 7], "at the end")
+
+
 # --- elastic ------------------------------------------------------------------------------------
 
 ELASTIC_RUN = ["--model", "mlp", "--train-examples", 8192, "--test-examples", 1000, "--batch-size", 32,
@@ -595,6 +750,23 @@ def test_elastic_training_survives_a_lost_worker_and_keeps_its_epochs(tmp_path):
             assert epoch == pytest.approx(step / 85, abs=0.005), line
     last = next(line for line in reversed(lines) if line.startswith("step 340/340"))
     assert float(last.split("lr ")[1].split()[0]) == pytest.approx(0, abs=1e-6), last
+
+
+@pytest.mark.slow
+def test_elastic_training_on_one_host_of_two_slots_trains(tmp_path):
+    """The obvious discovery script on one machine, `echo localhost:2`: before the launcher patch,
+    horovodrun waited for a second host to find the hosts' common network interfaces, silently,
+    for its elastic timeout (10 minutes)."""
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:2\n")
+    discover.chmod(0o755)
+    metrics = tmp_path / "m.json"
+    result = succeeded(subprocess.run(list(map(str, [
+        launchers.venv_bin("horovodrun"), "-np", 2, "--min-np", 1, "--max-np", 2, "--host-discovery-script", discover,
+        PYTHON, "-m", "hvd_sgd.train", "--elastic", "--model", "softmax", "--max-steps", 20, "--train-examples", 2048,
+        "--test-examples", 500, "--metrics-file", metrics])), cwd=ROOT, env=launchers.environment(), capture_output=True,
+        text=True, timeout=120))
+    assert read_json(metrics)["world_size"] == 2 and "Test accuracy" in result.stdout
 
 
 # --- one run per checkpoint directory -------------------------------------------------------------

@@ -71,6 +71,26 @@ def test_the_python_picks_the_stack_unless_told(tmp_path, version, stack, said):
     assert told.stdout.split() == ["keras2"] and not told.stderr  # HVD_SGD_STACK wins, silently
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mpi,wire_up", [("MPICH 5.0.2", "pmi2"), ("Open MPI 4.1.4", "pmix")])
+def test_the_job_script_wires_srun_for_the_installations_mpi(tmp_path, mpi, wire_up):
+    """train.sbatch under LAUNCHER=srun picks srun's --mpi by the MPI run/setup recorded (mpi.json):
+    PMI-2 for MPICH (it aborts under PMIx), PMIx otherwise (Open MPI under PMI-2 starts each rank as
+    a job of one). Run by bash, with an srun that prints its --mpi and an installation of that MPI."""
+    venv, tools = tmp_path / "venv", tmp_path / "bin"
+    (venv / "share" / "hvd_sgd").mkdir(parents=True)
+    (venv / "share" / "hvd_sgd" / "mpi.json").write_text(f'{{"mpi": "{mpi}"}}')
+    for program, text in ((venv / "bin" / "python", "exit 0"), (tools / "srun", 'echo "srun $1"')):
+        program.parent.mkdir(exist_ok=True)
+        program.write_text(f"#!/bin/sh\n{text}\n")
+        program.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tools}:{os.environ['PATH']}", HVD_SGD_VENV=str(venv), HVD_SGD_PROJECT=str(tmp_path),
+               SLURM_JOB_ID="1", SLURM_NTASKS="2", SLURM_JOB_NODELIST="node1")
+    result = subprocess.run(["bash", ROOT / "run" / "slurm" / "train.sbatch"], env=env, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0 and f"srun --mpi={wire_up}" in result.stdout.splitlines(), result.stdout + result.stderr
+
+
 # --- a user with no root ---------------------------------------------------------------------------
 
 def ensure_user(name):

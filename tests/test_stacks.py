@@ -1,54 +1,14 @@
-"""What tells the two stacks apart, and what holds on both (docs/design.md, "Two stacks"): a wrapped
-Keras optimizer averages the ranks' gradients on either. The tests marked both_stacks run on each stack."""
-import json
+"""What tells the two stacks apart, and what holds on both (docs/design.md, "Two stacks"); that a
+wrapped Keras optimizer averages the ranks' gradients on either is test_horovod_api.py's. The tests
+marked both_stacks run on each stack."""
 import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import PYTHON, ROOT, STACK, error_lines, launch, output_lines, succeeded
-from hvd_sgd.bench import launchers
+from conftest import PYTHON, ROOT, STACK, error_lines, launch, succeeded
 
 pytestmark = pytest.mark.slow  # every test here starts processes
-
-# Two ranks, one weight w = 0, one fit step at learning rate 1 on the mean absolute error
-# |w x - 100|, whose gradient is -x: rank r has x = r + 1, so its own step gives w = r + 1 and
-# the average step gives w = 1.5 on both ranks. Prints every rank's w.
-ONE_STEP = """
-import json, sys
-import numpy as np
-import tensorflow as tf
-from hvd_sgd.runtime import startup
-from hvd_sgd.training import distributed
-startup.start(threads_per_rank=1)
-import horovod.tensorflow as hvd
-dense = tf.keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
-model = tf.keras.Sequential([tf.keras.Input((1,)), dense])
-sgd = tf.keras.optimizers.SGD(1.0)
-optimizer = dict(plain=lambda: sgd, horovod=lambda: hvd.DistributedOptimizer(sgd),
-                 hvd_sgd=lambda: distributed.DistributedOptimizer(sgd, hvd.Compression.none))[sys.argv[1]]()
-model.compile(optimizer=optimizer, loss="mae")
-model.fit(np.full((1, 1), hvd.rank() + 1.0), np.full((1, 1), 100.0), batch_size=1, verbose=0)
-weights = hvd.allgather_object(float(model.get_weights()[0][0, 0]))
-if hvd.rank() == 0:
-    print(json.dumps(weights))
-"""
-
-
-def weights_after_one_step(optimizer):
-    result = succeeded(subprocess.run([launchers.mpirun(), "-np", "2", PYTHON, "-c", ONE_STEP, optimizer], cwd=ROOT,
-                                      env=launchers.environment(), capture_output=True, text=True, timeout=120))
-    return json.loads(output_lines(result.stdout)[-1])
-
-
-@pytest.mark.both_stacks
-@pytest.mark.parametrize("optimizer,weights", [
-    ("plain", [1.0, 2.0]),  # the control: each rank applies its own gradient
-    ("horovod", [1.5, 1.5]),  # hvd.DistributedOptimizer: the average (under Keras 3, the installation's patch)
-    ("hvd_sgd", [1.5, 1.5]),  # hvd_sgd.training.distributed: Horovod's
-])
-def test_a_wrapped_optimizer_makes_the_ranks_agree_on_either_stack(optimizer, weights):
-    assert weights_after_one_step(optimizer) == pytest.approx(weights)
 
 
 @pytest.mark.both_stacks

@@ -7,6 +7,8 @@ import importlib
 import pathlib
 import re
 
+import pytest
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hvd_sgd"
 README = PACKAGE.parent / "README.md"
 REFERENCE = PACKAGE.parent / "docs" / "reference.md"
@@ -42,12 +44,10 @@ def room(module):
     return "config" if parts[1] == "config" else "top"
 
 
-def imports(path, module_level_only=False):
-    """The package's modules that ``path`` imports (at its top level only, if asked)."""
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if module_level_only else ast.walk(tree)
+def imports(path):
+    """The package's modules that ``path`` imports, inside functions too."""
     names = set()
-    for node in nodes:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hvd_sgd"):
             names |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
         elif isinstance(node, ast.Import):
@@ -66,7 +66,8 @@ def test_rooms_import_one_way():
 
 
 def test_no_import_circle():
-    graph = {module: imports(path, module_level_only=True) for module, path in modules().items()}
+    """Imports inside functions count too: one that breaks a circle only hides it."""
+    graph = {module: imports(path) for module, path in modules().items()}
 
     def reaches(start, target, seen):
         for nxt in graph[start]:
@@ -96,6 +97,14 @@ def test_fit_reads_in_under_60_lines():
     tree = ast.parse((PACKAGE / "train.py").read_text())
     fit = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "fit")
     assert fit.end_lineno - fit.lineno + 1 < 60
+
+
+def test_the_quick_tier_fails_a_test_that_starts_a_process():
+    """conftest's guard, which keeps the quick tier (-m "not slow") free of processes: in a test not
+    marked slow, starting one fails the test."""
+    import subprocess
+    with pytest.raises(pytest.fail.Exception, match="starts a process: mark it slow"):
+        subprocess.run(["true"])
 
 
 def test_readmes_layout_names_every_module_in_its_room():
@@ -129,7 +138,8 @@ def test_every_module_imports_on_its_own():
 
 def test_every_readme_claim_in_the_coverage_table_is_the_readmes_and_names_tests_that_exist():
     """docs/reference.md's table of claims: each claim is the README's own words, and each row names
-    tests that exist (file::function) or says "not in CI" with the command that checks it."""
+    tests that exist (file::function; one not in CI says so, with its command), or says "not in CI"
+    and cites records (benchmarks/) that exist."""
     words = lambda text: " ".join(text.replace("\\|", "|").split())
     readme = words(README.read_text())
     text = REFERENCE.read_text()
@@ -142,4 +152,7 @@ def test_every_readme_claim_in_the_coverage_table_is_the_readmes_and_names_tests
         assert words(claim) in readme, f"not in the README: {claim}"
         named = re.findall(r"`(test_\w+\.py::\w+)`", checked_by)
         assert set(named) <= tests, f"no such test: {set(named) - tests}"
-        assert named or ("not in CI" in checked_by and "`" in checked_by) or "conftest" in checked_by, row
+        records = re.findall(r"\]\(\.\./(benchmarks/[^)]+)\)", checked_by)
+        missing = [record for record in records if not (README.parent / record).exists()]
+        assert not missing, f"no such record: {missing}"
+        assert named or ("not in CI" in checked_by and records), row

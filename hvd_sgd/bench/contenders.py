@@ -213,7 +213,7 @@ def time_to_accuracy(contender, quick):
     keras): wall seconds from the command to the first evaluation at the target, the run's
     accuracy curve and where its seconds went. 2 ranks start as run/train starts them, under
     mpirun (horovodrun imports TensorFlow before it starts the ranks: seconds more)."""
-    target, subset = (0.9, [4000, 1000, 1]) if quick else (0.99, [0, 0, 2])
+    target, subset = (0.9, [2048, 500, 1]) if quick else (0.99, [0, 0, 2])
     if contender == "keras":
         launched = time.time()
         metrics = _results([_start(_worker("python", 1, "keras_recipe", *subset, CORES), CORES)], 900)[0]

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from hvd_sgd import config
 from hvd_sgd.data import batches, datasets
+from hvd_sgd.runtime import announced, watchdog
 from hvd_sgd.training import models, schedules
 from hvd_sgd.bench import protocol
 from hvd_sgd.training.plan import RunPlan, epochs_covering, per_rank_batch
@@ -219,11 +220,11 @@ def decompose(model_name, global_batch, steps, threads, blocks):
 
     The chief reports every rank's timestamps and fit's figures."""
     from hvd_sgd import train
-    from hvd_sgd.runtime import jobs, startup
+    from hvd_sgd.runtime import jobs
     import horovod.tensorflow as hvd
     per_block = max(5, steps // blocks)
     splits = datasets.load("mnist").subset(test_examples=500)  # fit evaluates after each block: briefly
-    cfg = config.TrainConfig(model=model_name, batch_size=per_rank_batch(global_batch, startup.launch_size()),
+    cfg = config.TrainConfig(model=model_name, batch_size=per_rank_batch(global_batch, announced.size()),
                              seed=1, max_steps=per_block,
                              epochs=epochs_covering(per_block, global_batch, splits.num_train),
                              threads_per_rank=threads, log_every_steps=10 ** 6)
@@ -325,13 +326,13 @@ def evaluation(data, model_name, repeats):
     model = models.build(models.BUILT_IN[model_name], data.input_shape, data.num_classes, 1)
     hvd.broadcast_variables(model.variables, root_rank=0)
     whole = data.test_batches(threads=world.threads) if world.is_chief else []  # rank 0 alone: held
-    seconds, correct = {False: [], True: []}, {}
+    seconds, correct, unwatched = {False: [], True: []}, {}, watchdog.Watchdog(world, None)
     for i in range(repeats + 1):  # the first round traces and warms up, and is not counted
         for together in ((False, True) if i % 2 == 0 else (True, False)):
             hvd.allreduce(tf.constant(0.0), name="evaluation_start")  # every rank starts together
             started = time.perf_counter()
             shares = data.test_batches(world.rank, world.size, world.threads) if together else whole
-            result = world.evaluate(model, shares, lambda: None)  # returns on every rank at once
+            result = world.evaluate(model, shares, unwatched)  # returns on every rank at once
             if i:
                 seconds[together].append(time.perf_counter() - started)
             correct[together] = result["correct"], result["examples"]

@@ -4,7 +4,7 @@
 alike, through the same interface:
 
 - ``datasets.Splits``: arrays held in memory (MNIST, Fashion-MNIST, IDX files, ``.npz``), one copy a
-  node (``shared_data``), batched by ``batches``;
+  node (``shared_data``), ``aligned`` for TensorFlow to take over, batched by ``batches``;
 - ``catalogs.ImageSet``: image folders or TFRecord shards, each rank streaming its own batches
   (``streams``), ``augment``-ed on request; ``convert`` writes a set in either layout.
 

@@ -12,7 +12,7 @@ an epoch then covers fewer examples (or, grown, wraps around its permutation).
 import numpy as np
 import tensorflow as tf
 
-from hvd_sgd.data import augment, datasets, streams
+from hvd_sgd.data import aligned, augment, streams
 
 
 def epoch_order(num_examples, seed, epoch):
@@ -104,10 +104,10 @@ def as_tensor(array):
     memory unless it is there already (datasets reads into such): tf.constant would hold two more
     copies at once, which for a large training set decides whether it fits (docs/design.md, "One
     copy of the training set a node"). Neither may change while the other is in use."""
-    if not (array.flags.c_contiguous and array.flags.writeable and array.ctypes.data % datasets.ALIGNMENT == 0):
-        aligned = datasets.aligned_empty(array.shape, array.dtype)
-        aligned[...] = array
-        array = aligned
+    if not (array.flags.c_contiguous and array.flags.writeable and array.ctypes.data % aligned.ALIGNMENT == 0):
+        copy = aligned.empty(array.shape, array.dtype)
+        copy[...] = array
+        array = copy
     return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
 
 

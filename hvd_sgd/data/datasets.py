@@ -22,7 +22,6 @@ import dataclasses
 import gzip
 import hashlib
 import io
-import math
 import os
 import pickle
 import struct
@@ -34,6 +33,7 @@ from typing import Optional
 import numpy as np
 
 from hvd_sgd import JobError, first_line
+from hvd_sgd.data import aligned
 from hvd_sgd.runtime import watchdog
 
 MAX_CLASSES = 256  # a label is one byte, as in IDX files
@@ -50,19 +50,7 @@ IDX_FILES = {
 }
 IDX_UNSIGNED_BYTE = 0x08
 NPY_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-# Arrays are read into memory aligned like this, which TensorFlow takes over without a copy
-# (batches.as_tensor); its own conversion holds two more copies of a training set at once.
-ALIGNMENT = 64
 INSTALL_HINT = "run run/setup (or python -m hvd_sgd.data)"
-
-
-def aligned_empty(shape, dtype):
-    """An uninitialised C-contiguous array whose data starts on an ALIGNMENT-byte boundary."""
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +112,7 @@ class Splits:
         return None
 
 
-def load(name, data_dir=None, allocate=aligned_empty):
+def load(name, data_dir=None, allocate=aligned.empty):
     """``name`` (mnist, fashion_mnist) from the installation, or whatever ``data_dir`` holds.
     ``allocate(shape, dtype)`` gives the memory that each array is read into."""
     if data_dir:
@@ -157,7 +145,7 @@ def data_dir():
     return os.environ.get("HVD_SGD_CACHE") or os.path.join(sys.prefix, "share", "hvd_sgd")
 
 
-def load_mnist(allocate=aligned_empty):
+def load_mnist(allocate=aligned.empty):
     converted = os.path.join(data_dir(), "mnist.npz")
     if not os.path.exists(converted):
         arrays = _mnist_from_wheel()
@@ -223,7 +211,7 @@ def install_mnist():
 
 # --- users' files: IDX and npz ------------------------------------------------------------
 
-def read_idx(path, ndim, allocate=aligned_empty):
+def read_idx(path, ndim, allocate=aligned.empty):
     """Read an unsigned-byte IDX file with ``ndim`` dimensions; a malformed file is a JobError."""
     try:
         with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
@@ -253,7 +241,7 @@ def read_idx(path, ndim, allocate=aligned_empty):
     return array
 
 
-def read_idx_dir(directory, name, allocate=aligned_empty):
+def read_idx_dir(directory, name, allocate=aligned.empty):
     if not os.path.isdir(directory):
         raise JobError(f"{directory}: no such data directory")
     arrays = {}
@@ -266,7 +254,7 @@ def read_idx_dir(directory, name, allocate=aligned_empty):
     return _checked(directory, name, arrays)
 
 
-def read_npz(path, allocate=aligned_empty):
+def read_npz(path, allocate=aligned.empty):
     """``x_train, y_train, x_test, y_test`` from one .npz (no pickles): uint8 images [n, h, w] or
     [n, h, w, channels], integer labels."""
     try:

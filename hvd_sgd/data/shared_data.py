@@ -15,7 +15,7 @@ import socket
 import numpy as np
 
 from hvd_sgd import JobError
-from hvd_sgd.data import datasets
+from hvd_sgd.data import aligned, datasets
 
 SHARED_MEMORY = "/dev/shm"
 PREFIX = "hvd_sgd-data-"
@@ -79,7 +79,7 @@ class _SharedFiles:
         # Writing into a full /dev/shm would kill the process (SIGBUS), not raise: check first.
         self.full = self.full or not os.path.isdir(SHARED_MEMORY) or _free_bytes(SHARED_MEMORY) < 2 * nbytes
         if self.full or nbytes == 0:
-            return datasets.aligned_empty(shape, dtype)
+            return aligned.empty(shape, dtype)
         path = os.path.join(SHARED_MEMORY, f"{PREFIX}{os.getpid()}-{len(self.shared)}")
         # A new file, the user's alone (the data may be private), never one planted in its place.
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -124,7 +124,7 @@ def _map_or_read(layout, read):
             return datasets.Splits(layout["name"], **arrays, num_classes=layout["num_classes"])
         except (OSError, ValueError):  # not this node's files after all (two nodes of one host name)
             pass
-    return read(datasets.aligned_empty)
+    return read(aligned.empty)
 
 
 def _free_bytes(path):

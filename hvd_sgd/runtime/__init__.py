@@ -1,8 +1,8 @@
-"""The job's runtime around the ranks: how a rank starts (launcher, versions, Horovod, pinning), who
-it is among the others (world), what stops or ends the job (preemption, watchdog), and how a
-program ends (cli). The only room that reads the launcher's environment. Importing it imports
-neither TensorFlow nor Horovod: the installation's mpirun runs from here, and the bench's driver
-places processes with cpu_slice."""
+"""The job's runtime around the ranks: what the launcher announced (announced), how a rank starts
+(versions, Horovod, pinning: startup), who it is among the others (world), what stops or ends the
+job (preemption, watchdog), and how a program ends (cli). The only room that reads the launcher's
+environment. Importing it imports neither TensorFlow nor Horovod: the installation's mpirun runs
+from here, and the bench's driver places processes with cpu_slice."""
 import os
 
 # One stop request often arrives twice: Ctrl-C reaches the launcher and the ranks, and mpirun forwards

@@ -7,7 +7,7 @@ import sys
 import time
 
 from hvd_sgd import JobError, first_line
-from hvd_sgd.runtime import startup
+from hvd_sgd.runtime import announced
 
 EXIT_FAILED = 1
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, to be continued; not a failure
@@ -37,8 +37,8 @@ def run(main, prog):
     except Exception as e:
         if not isinstance(e, JobError) and not _collective_failed(e):
             raise
-        stopped, rank = isinstance(e, Stopped), startup.launch_rank()
-        if startup.is_chief() or isinstance(e, RankError):
+        stopped, rank = isinstance(e, Stopped), announced.rank()
+        if announced.is_chief() or isinstance(e, RankError):
             where = f"rank {rank}: " if isinstance(e, RankError) and rank else ""
             print(f"{prog}: {'' if stopped else 'error: '}{where}{first_line(e, limit=None)}", file=sys.stderr,
                   flush=True)

@@ -4,7 +4,8 @@ import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
-from hvd_sgd.runtime import preemption, startup
+from hvd_sgd import JobError
+from hvd_sgd.runtime import announced, preemption, startup
 from hvd_sgd.runtime.preemption import StopRequest
 from hvd_sgd.runtime.watchdog import Watchdog
 
@@ -20,6 +21,14 @@ class Job:
     stop: Optional[StopRequest]  # None in elastic mode: a signalled worker is a lost one
     elastic: bool
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        """However the run ended, its watchdog stops: a process that goes on (a notebook, a test,
+        another fit) must not be ended for the silence of a run that is over."""
+        self.watchdog.stop()
+
     def together(self):
         """A block whose JobError on any rank stops every rank (World.agreement). Not in elastic mode:
         a worker that joins mid-run first meets the others in the broadcast that (re)starts training,
@@ -34,7 +43,11 @@ def start(ranks, timeline=False):
     the others go on); Horovod starts; a frozen rank, or a hung file system, ends the job. hvd_sgd's
     watchdog, not Horovod's stall check, watches for stalls; elastic mode runs none (Horovod handles
     lost workers) and keeps Horovod's check."""
+    if ranks.elastic and not announced.elastic():
+        raise JobError("--elastic needs horovodrun's elastic mode: horovodrun -np N --min-np MIN --max-np MAX "
+                       "--host-discovery-script run/discover-hosts python -m hvd_sgd.train --elastic")
     stop = None if ranks.elastic else preemption.listen(ranks.stall_timeout)
     world = startup.start(ranks.threads_per_rank, ranks.stall_timeout if ranks.elastic else None, ranks.bind_cpus,
                           timeline)
-    return Job(world, Watchdog(world, None if ranks.elastic else ranks.stall_timeout).start(), stop, ranks.elastic)
+    watchdog = Watchdog(world, None if ranks.elastic else ranks.stall_timeout, ranks.trace_timeout)
+    return Job(world, watchdog.start(), stop, ranks.elastic)

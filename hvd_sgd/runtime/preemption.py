@@ -20,7 +20,7 @@ import time
 
 import tensorflow as tf
 
-from hvd_sgd.runtime import SAME_REQUEST_SECONDS, startup
+from hvd_sgd.runtime import SAME_REQUEST_SECONDS, announced
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # The ranks compare requests in an all-reduce of their own, between steps, after as many steps as
@@ -79,7 +79,7 @@ class StopRequest:
         if self.signal is not None:  # a second request: now
             _exit_now(f"second signal ({signal.Signals(signum).name}): exiting without a checkpoint", signum)
         self.signal, self.first_at = signal.Signals(signum).name, time.monotonic()
-        if startup.is_chief():  # one line for the job's log, at once: the stop itself may take a while
+        if announced.is_chief():  # one line for the job's log, at once: the stop itself may take a while
             sys.stdout.write(f"hvd_sgd: {self.signal} received: stopping after the next check of the ranks\n")
             sys.stdout.flush()
         timer = threading.Timer(self.grace, _exit_now, (f"the stop took over {self.grace:.0f} s: exiting without "

@@ -1,4 +1,4 @@
-"""Before and during hvd.init: what the launcher announced, version checks, process tuning, pinning.
+"""Before and during hvd.init: version checks, process tuning, pinning.
 
 Some of this must happen before Horovod or TensorFlow start (environment variables, thread
 counts), so it reads the launcher's variables rather than asking Horovod.
@@ -14,58 +14,12 @@ import time
 import tensorflow as tf
 
 from hvd_sgd import JobError
-from hvd_sgd.runtime import cpu_slice, mpirun
+from hvd_sgd.runtime import announced, cpu_slice, mpirun
 
 try:
     import horovod.tensorflow as hvd
 except (ImportError, tf.errors.NotFoundError) as e:  # reported by start(), after the clearer checks
     hvd, _HOROVOD_IMPORT_ERROR = None, e
-
-# Set by the launchers before our process starts: Horovod's Gloo launcher, Open MPI, PMIx (srun --mpi=pmix), PMI.
-_RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-_SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
-_MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
-_LOCAL_SIZE_VARIABLES = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")  # else: all ranks on this node
-
-
-def launch_rank():
-    """This process's rank as the launcher announced it, usable before Horovod starts."""
-    return _announced(_RANK_VARIABLES, 0)
-
-
-def is_chief():
-    """Whether this process is rank 0, the one that speaks and writes: Horovod's rank once Horovod has
-    started (an elastic job renumbers its ranks), the launcher's before and after it has shut down.
-    ``World.is_chief`` asks this."""
-    if hvd is not None and hvd.is_initialized():
-        with contextlib.suppress(ValueError):  # shut down since: it has no rank any more
-            return hvd.rank() == 0
-    return launch_rank() == 0
-
-
-def launch_size():
-    """The number of ranks as the launcher announced it (1 when started without one)."""
-    return _announced(_SIZE_VARIABLES, 1)
-
-
-def _announced(variables, default):
-    return next((int(os.environ[v]) for v in variables if v in os.environ), default)
-
-
-def launched_by_mpi():
-    return "HOROVOD_RANK" not in os.environ and any(v in os.environ for v in _MPI_VARIABLES)
-
-
-def launched_elastic():
-    """Whether horovodrun started this rank in elastic mode (--min-np, --max-np, --host-discovery-script)."""
-    return os.environ.get("HOROVOD_ELASTIC") == "1"
-
-
-def slurm_requeued():
-    """"job ID (restart N)" when Slurm requeued this job (after a stop, a node failure, preemption); "" if not."""
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-    return f"job {os.environ.get('SLURM_JOB_ID')} (restart {restarts})" if restarts > 0 else ""
-
 
 def check_versions():
     """Stop early when Horovod was not built against this TensorFlow (its extension would not
@@ -126,7 +80,7 @@ def start(threads_per_rank=0, stall_timeout=60.0, bind_cpus=True, timeline=False
             f"it is built with {built['mpi']} ({built['prefix']}): load that MPI, or run run/setup with the "
             f"one you load" if built.get("mpi") and "libmpi" in str(_HOROVOD_IMPORT_ERROR) else "rebuild it with run/setup --force"))
     trace_horovod_without_autograph()
-    if launched_by_mpi():
+    if announced.by_mpi():
         abi = mpirun.mpi4py_abi()
         if abi:
             os.environ.setdefault("MPI4PY_MPIABI", abi)
@@ -172,9 +126,9 @@ def _cycle_time_ms():
     an all-reduce waits for the next one. While every rank has a core of its own, not sleeping at
     all is fastest; where ranks outnumber the cores, those threads would spin on the cores
     training needs: 0.1 ms there (docs/design.md, "Horovod's cycle, and its patched thread"). One rank negotiates nothing."""
-    if launch_size() == 1:
+    if announced.size() == 1:
         return "1"  # Horovod's default
-    ranks_here = _announced(_LOCAL_SIZE_VARIABLES, launch_size())
+    ranks_here = announced.local_size()
     return "0" if ranks_here <= (os.cpu_count() or 1) else "0.1"
 
 

@@ -9,7 +9,8 @@ for that rank too. So each rank runs a thread that
   its host and the files it works in (if it does) to a heartbeat file, in a directory every node
   sees (see ``heartbeat_root``);
 - watches: when its rank has made no progress for ``timeout`` seconds, nor rank 0 (which writes
-  checkpoints alone while the others wait for it), it names the ranks whose heartbeat
+  checkpoints alone while the others wait for it), and no rank is in a graph's first call (``tracing``:
+  a trace and compile may take minutes, ended only after ``trace_timeout``) with every rank beating, it names the ranks whose heartbeat
   stopped (a frozen process stops beating; a stopped one is said to be), or else those stuck in
   their files (a hung file system), and their hosts, prints one line (the lowest live rank does),
   and exits the process with status 1, which makes the launcher end the job. Before that every
@@ -48,8 +49,9 @@ STALE_SECONDS = 24 * 3600  # a live job's heartbeat directory changes every seco
 STACKS_WAIT_SECONDS = 3 * BEAT_SECONDS
 
 # A rank's heartbeat as another rank reads it: its age, the seconds that rank had then gone without
-# progress, its host and process, and the files it was working in ("" if none).
-Beat = collections.namedtuple("Beat", "age idle host pid working_in")
+# progress, the seconds it had been tracing a graph (None if it was not), its host and process, and
+# the files it was working in ("" if none).
+Beat = collections.namedtuple("Beat", "age idle tracing host pid working_in")
 
 
 def heartbeat_root():
@@ -80,11 +82,13 @@ def remove_stale_heartbeats(root):
 
 
 class Watchdog:
-    def __init__(self, world, timeout):
-        """``timeout`` None: a watchdog that watches nothing (elastic mode handles lost workers)."""
-        self.timeout = timeout
+    def __init__(self, world, timeout, trace_timeout=None):
+        """``timeout`` None: a watchdog that watches nothing (elastic mode handles lost workers).
+        ``trace_timeout``: the seconds a graph's first call may take (None: ``timeout``)."""
+        self.timeout, self.trace_timeout = timeout, trace_timeout or timeout
         self.rank, self.size, self.host = world.rank, world.size, socket.gethostname()
         self.step, self.last_progress = 0, time.monotonic()
+        self.tracing_since = None  # when this rank's graph's first call began, while it runs
         self.working_in, self.file_state = None, None  # the files this rank works in, while it does; their state
         self.stopped = threading.Event()
         self.link = None
@@ -128,6 +132,23 @@ class Watchdog:
             self.working_in = None
             self.progress()
 
+    @contextlib.contextmanager
+    def tracing(self, first_call=True):
+        """A graph's first call (``first_call``): TensorFlow traces and optimizes the graph (XLA compiles it
+        on a GPU), which for a large model can take minutes, and then waits in its first collective for
+        the other ranks' traces. That, and the other ranks' wait for it, is no stall until
+        ``trace_timeout``, while every rank beats: a rank that freezes meanwhile still ends the job
+        within ``timeout``."""
+        if not first_call:
+            yield
+            return
+        self.tracing_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.tracing_since = None
+            self.progress()
+
     def stop(self):
         """Stop watching: what is left, rank 0 writing its files, is no collective."""
         self.stopped.set()
@@ -158,14 +179,25 @@ class Watchdog:
 
     def stalled(self, now):
         """No progress on this rank for longer than the timeout, and none on rank 0 either (when it
-        works alone, a checkpoint, this rank only waits for it)."""
-        return now - self.last_progress > self.timeout and not self._rank_0_progresses()
+        works alone, a checkpoint, this rank only waits for it), and no rank in a graph's first call
+        within the trace timeout (this rank, or one it waits for), unless a rank's heartbeat stopped.
+        Read only while this rank is idle, so mostly never."""
+        if now - self.last_progress <= self.timeout or self._rank_0_progresses():
+            return False
+        beats = [self._heartbeat(rank) for rank in range(self.size)]
+        return any(self._frozen(beat) for beat in beats) or not any(
+            beat.tracing is not None and beat.tracing <= self.trace_timeout for beat in beats)
+
+    def _frozen(self, beat):
+        """Whether a heartbeat (None: never seen) says its rank stopped beating."""
+        return beat is None or beat.age > max(3 * BEAT_SECONDS, self.timeout / 4)
 
     def _beat(self):
         path = os.path.join(self.directory, f"rank-{self.rank}")
         try:
             with open(path + ".tmp", "w") as f:
-                f.write(f"{self.step} {time.monotonic() - self.last_progress:.1f} {self.host} {os.getpid()} "
+                tracing = "-" if self.tracing_since is None else f"{time.monotonic() - self.tracing_since:.1f}"
+                f.write(f"{self.step} {time.monotonic() - self.last_progress:.1f} {tracing} {self.host} {os.getpid()} "
                         f"{self.working_in or ''}")
             os.replace(path + ".tmp", path)
         except OSError:
@@ -177,8 +209,8 @@ class Watchdog:
         try:
             age = time.time() - os.path.getmtime(path)
             with open(path) as f:
-                _, idle, host, pid, *working_in = f.read().split(" ", 4)
-            return Beat(age, float(idle), host, int(pid), "".join(working_in))
+                _, idle, tracing, host, pid, *working_in = f.read().split(" ", 5)
+            return Beat(age, float(idle), None if tracing == "-" else float(tracing), host, int(pid), "".join(working_in))
         except (OSError, ValueError):
             return None
 
@@ -197,15 +229,17 @@ class Watchdog:
             return False
 
     def _fire(self):
-        frozen, stopped, stuck = {}, [], {}  # rank: host; ranks whose process is stopped; files: ["rank (host)", ...]
+        frozen, stopped, stuck, tracing = {}, [], {}, []  # rank: host; stopped ranks; files: ["rank (host)", ...]; those
         for rank in range(self.size):
             beat = self._heartbeat(rank)
-            if beat is None or beat.age > max(3 * BEAT_SECONDS, self.timeout / 4):
+            if self._frozen(beat):
                 frozen[rank] = beat.host if beat else "host unknown"
                 if beat and beat.host == self.host and _stopped(beat.pid):
                     stopped.append(str(rank))
             elif beat.working_in:
                 stuck.setdefault(beat.working_in, []).append(f"{rank} ({beat.host})")
+            elif beat.tracing is not None and beat.tracing > self.trace_timeout:
+                tracing.append(f"{rank} ({beat.host})")
         alive = [r for r in range(self.size) if r not in frozen]
         self._write_stacks()
         # The lowest live rank reports, unless a rank has reported already: it exits at once, and to
@@ -220,6 +254,9 @@ class Watchdog:
             elif stuck:
                 who = "; ".join(f"rank(s) {', '.join(ranks)} stuck in {files}" for files, ranks in stuck.items())
                 who += " (a hung file system?)"
+            elif tracing:
+                who = (f"rank(s) {', '.join(tracing)} still in a graph's first call (its trace and compile, or its "
+                       f"first collective) after {self.trace_timeout:.0f} s (--trace-timeout)")
             else:
                 who = "no rank stopped responding, but a collective operation is blocked"
             sys.stderr.write(f"hvd_sgd: error: no training step finished for {self.timeout:.0f} s after step "

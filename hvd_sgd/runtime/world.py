@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_sgd import JobError
-from hvd_sgd.runtime import startup
+from hvd_sgd.runtime import announced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,7 @@ class World:
 
     @property
     def is_chief(self):
-        return startup.is_chief()
+        return announced.is_chief()
 
     def placement(self):
         """Where this rank runs: its host, its place among the node's ranks and across nodes, its CPUs."""
@@ -78,27 +78,40 @@ class World:
             for variable, value in zip(statistics, averaged):
                 variable.assign(value)
 
-    def evaluate(self, model, test_batches, after_batch):
-        """Test accuracy and loss (mean cross-entropy) of ``model``, the same on every rank, calling
-        ``after_batch()`` after each batch (the watchdog's progress). Every rank evaluates its own
-        share of the test set (``test_batches``) and the sums are all-reduced: the same correct
-        count as one process evaluating the whole set, in about 1/size of the time."""
-        sums = np.zeros(3)  # correct, summed loss, examples
+    def evaluate(self, model, test_batches, watchdog):
+        """Test accuracy and loss (mean cross-entropy) of ``model``, the same on every rank, telling
+        ``watchdog`` of each batch's progress and of each batch shape's first call (it traces the
+        evaluation's graph). Every rank evaluates its own share of the test set (``test_batches``)
+        and the sums are all-reduced: the same correct count as one process evaluating the whole
+        set, in about 1/size of the time."""
+        sums, shapes = np.zeros(3), set()  # correct, summed loss, examples; the shapes called with
         for images, labels in test_batches:
-            sums += [float(s) for s in _evaluation_sums(model, images, labels)]
-            after_batch()
+            with watchdog.tracing(first_call=images.shape not in shapes):
+                sums += [float(s) for s in _evaluation_sums(model, images, labels)]
+            shapes.add(images.shape)
+            watchdog.progress()
         correct, loss, examples = hvd.allreduce(tf.constant(sums), op=hvd.Sum, name="evaluation").numpy()
         return dict(accuracy=correct / examples, loss=loss / examples, correct=int(correct), examples=int(examples))
 
     def check_identical(self, variables, when):
-        """All ranks must hold bit-identical weights; anything else means training has forked."""
-        digest = 0
-        for v in variables:
-            digest = zlib.crc32(v.numpy().tobytes(), digest)
-        digests = hvd.allgather_object(digest)
-        if len(set(digests)) != 1:
-            raise JobError(f"ranks hold different weights {when} (checksums {digests})")
-        return digests
+        """All ranks must hold bit-identical weights; anything else means training has forked. Every
+        rank's checksum."""
+        return require_identical(hvd.allgather_object(checksum(variables)), when)
+
+
+def checksum(variables):
+    """A CRC-32 of the variables' values, bit for bit."""
+    digest = 0
+    for v in variables:
+        digest = zlib.crc32(v.numpy().tobytes(), digest)
+    return digest
+
+
+def require_identical(checksums, when):
+    """``checksums``, every rank's, as they are; JobError naming them when any two differ."""
+    if len(set(checksums)) != 1:
+        raise JobError(f"ranks hold different weights {when} (checksums {checksums})")
+    return checksums
 
 
 @tf.function(reduce_retracing=True)

@@ -73,11 +73,13 @@ class Trainer:
         result, next_check, n = None, first + 1, first
         for row in indices:
             self.outputs.timeline_before(n + 1)
-            step, counted = train_step.compiled(sampled(n + 1, self.outputs.cfg.log_every_steps, plan.total_steps))
-            called = time.time()
-            with _named_by_this_rank(lambda: self.data.undecodable_train(row)):
-                loss, n, *graph_times = step()
-            ended = time.time()
+            graph = sampled(n + 1, self.outputs.cfg.log_every_steps, plan.total_steps)
+            with watchdog.tracing(first_call=not train_step.traced(graph)):
+                step, counted = train_step.compiled(graph)
+                called = time.time()
+                with _named_by_this_rank(lambda: self.data.undecodable_train(row)):
+                    loss, n, *graph_times = step()
+                ended = time.time()
             n = int(n)  # the global step, as the step returns it: reading the variable would be an op more
             self.outputs.timeline_after(n)
             watchdog.progress(n)
@@ -111,7 +113,7 @@ class Trainer:
         world = self.job.world
         shares = self.data.test_batches(world.rank, world.size, world.threads)
         with _named_by_this_rank(lambda: self.data.undecodable_test(world.rank, world.size)):
-            return world.evaluate(self.state.model, shares, self.job.watchdog.progress)
+            return world.evaluate(self.state.model, shares, self.job.watchdog)
 
     def _where_stopped(self, n):
         stop, directory = self.job.stop, self.checkpointing.checkpoint_dir
@@ -197,6 +199,9 @@ class _TrainStep:
     def __init__(self, state, backward_passes, loss, next_batch):
         self.state, self.backward_passes, self.loss, self.next_batch = state, backward_passes, loss, next_batch
         self.graphs = {}
+
+    def traced(self, sampled):
+        return sampled in self.graphs
 
     def compiled(self, sampled):
         """The graph to call; whether this call counts (not its first, which traces and optimizes it)."""

@@ -11,7 +11,7 @@ import os
 import tensorflow as tf
 
 from hvd_sgd import JobError
-from hvd_sgd.runtime import startup
+from hvd_sgd.runtime import announced
 from hvd_sgd.training import checkpoint, files, models
 
 
@@ -71,7 +71,7 @@ class Outputs:
         directory, resume = self.checkpointing.checkpoint_dir, self.checkpointing.resume
         if not (self.writes and directory):
             return
-        requeued = startup.slurm_requeued()
+        requeued = announced.slurm_requeued()
         with self.watchdog.file_work(directory):  # the others wait: a slow file system is no stall
             self.checkpoints = checkpoint.Checkpoints(directory, resume or requeued, self.world.log, plan.global_batch,
                                                       model=state.model, optimizer=state.optimizer, step=state.step)
