@@ -46,6 +46,17 @@ def processes_only_when_slow(request, monkeypatch):
     monkeypatch.setattr(os, "fork", refused)
 
 
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """A run in the test's own process (the quick tier's) sets Horovod's and TensorFlow's variables in
+    os.environ (HOROVOD_CYCLE_TIME for one rank, say): the processes later tests start must not
+    inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def launch(launcher, np_, *args, module="hvd_sgd.train", timeout=240, env=None, exits_dir=None, wrapper=()):
     """Run hvd_sgd under a real launcher; returns the CompletedProcess (text output).
 

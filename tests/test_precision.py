@@ -72,6 +72,8 @@ def test_a_gradient_that_overflows_on_one_rank_makes_every_rank_skip_the_step_an
     assert (overflowed["loss_scale"], clean["loss_scale"]) == (INITIAL_SCALE / 2, INITIAL_SCALE)
     # The run went on to its last step with finite weights that differ from the clean run's: the
     # overflowed step's non-finite gradients were skipped, not applied.
+    sys.path.insert(0, str(tmp_path))  # the saved models hold the test's layer, which importing registers
+    importlib.import_module("overflow")
     assert overflowed["steps"] == 20 and all(np.isfinite(w).all() for w in saved_weights(models["overflow"]))
     assert max_difference(saved_weights(models["overflow"]), saved_weights(models["none"])) > 0
 
