@@ -73,9 +73,9 @@ class Trainer:
         result, next_check, n = None, first + 1, first
         for row in indices:
             self.outputs.timeline_before(n + 1)
-            graph = sampled(n + 1, self.outputs.cfg.log_every_steps, plan.total_steps)
-            with watchdog.tracing(first_call=not train_step.traced(graph)):
-                step, counted = train_step.compiled(graph)
+            notes_times = sampled(n + 1, self.outputs.cfg.log_every_steps, plan.total_steps)
+            with watchdog.tracing(first_call=not train_step.traced(notes_times)):
+                step, counted = train_step.compiled(notes_times)
                 called = time.time()
                 with _named_by_this_rank(lambda: self.data.undecodable_train(row)):
                     loss, n, *graph_times = step()
