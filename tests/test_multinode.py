@@ -302,8 +302,8 @@ def test_the_network_suite_measures_across_two_nodes_of_its_own_cluster(tmp_path
     assert len(allreduce["horovod"]) == len(allreduce["mpi4py"]) == len(allreduce["sizes"]) > 0
     assert min(allreduce["horovod"] + allreduce["mpi4py"]) > 0 and 0 < row["softmax"]["ratio"]
     parts = row["decomposition"]["softmax"]  # across hosts: each part of the ranks' step and the ceiling's
-    assert all(min(parts[who][p] for p in ("wait", "allreduce")) >= 0 < parts[who]["compute"]
-               for who in ("ranks", "ceiling")), parts
+    for who in ("ranks", "ceiling"):
+        assert parts[who]["wait"] >= 0 and parts[who]["allreduce"] >= 0 and parts[who]["compute"] > 0, parts
     assert (tmp_path / "network_10gbit.png").exists() and "## network" in (tmp_path / "results.md").read_text()
     assert not (tmp_path / "cluster" / "nodes").exists()  # taken down
 
